@@ -1,0 +1,33 @@
+# Set-up and checks. `make demo` and `make test` install everything they need first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+# Every distribution in the tree: the kernel, each plugin, the Triton and native plugins.
+DISTS := . $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml))
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU build on this machine's disk; a plain "torch" requirement
+# would let pip fetch a multi-GB CUDA build. Distributions are installed editable and
+# without build isolation (their build backends are installed first).
+$(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables
+	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
+		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test]",$(d)))
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/pyagent plugins
+	$(VENV)/bin/pyagent list
+
+test: install
+	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

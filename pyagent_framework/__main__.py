@@ -1,0 +1,5 @@
+import sys
+
+from pyagent_framework.cli import main
+
+sys.exit(main())

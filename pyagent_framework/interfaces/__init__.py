@@ -1,0 +1,36 @@
+"""One interface per registry kind. Plugins implement these; they never re-declare them.
+
+Interfaces are abstract base classes: subclassing one gives early errors for missing
+methods, but the kernel checks entries structurally (:func:`missing_members`), so an
+object that has the required members is accepted without subclassing.
+"""
+
+from pyagent_framework.interfaces._check import missing_members, required_members
+from pyagent_framework.interfaces.attention import AttentionBackend
+from pyagent_framework.interfaces.chat_template import ChatTemplateSource
+from pyagent_framework.interfaces.eviction import EvictionPolicy
+from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher
+from pyagent_framework.interfaces.kv_connector import KVConnector
+from pyagent_framework.interfaces.model import ModelArchitecture
+from pyagent_framework.interfaces.quantizer import Quantizer
+from pyagent_framework.interfaces.reasoning_parser import ReasoningParser
+from pyagent_framework.interfaces.tokenizer import Tokenizer
+from pyagent_framework.interfaces.tool_parser import ToolParser
+from pyagent_framework.interfaces.weights import WeightFormat
+
+__all__ = [
+    "AttentionBackend",
+    "ChatTemplateSource",
+    "EvictionPolicy",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "KVConnector",
+    "ModelArchitecture",
+    "Quantizer",
+    "ReasoningParser",
+    "Tokenizer",
+    "ToolParser",
+    "WeightFormat",
+    "missing_members",
+    "required_members",
+]

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pyagent_framework.types import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Attention over the engine's paged KV cache.
+
+    Built as ``cls(num_heads, head_size, num_kv_heads, scale)`` once per layer.
+    ``forward`` first writes ``key``/``value`` (``[num_tokens, num_kv_heads,
+    head_size]``) into ``kv_cache`` at ``metadata.slot_mapping``, then returns the
+    causal attention output ``[num_tokens, num_heads, head_size]`` of ``query`` over
+    each sequence's cached context plus its new tokens.
+    """
+
+    @abstractmethod
+    def forward(
+        self, query: Any, key: Any, value: Any, kv_cache: Any, metadata: AttentionMetadata
+    ) -> Any: ...

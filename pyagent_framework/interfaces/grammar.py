@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from pyagent_framework.types import GrammarSpec, TokenizerInfo
+
+
+class GrammarMatcher(ABC):
+    """Per-request state of a compiled grammar.
+
+    The bitmask is a packed ``int32`` tensor of shape ``[batch, ceil(vocab_size / 32)]``;
+    bit ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed.
+    """
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over the tokens; False (and no change) if one is not allowed."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+
+    @abstractmethod
+    def is_terminated(self) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding)."""
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+
+class GrammarBackend(ABC):
+    """Compiles structured-output specs and makes matchers.
+
+    Built as ``cls()``. ``supported_kinds`` names the :class:`GrammarSpec` kinds it
+    handles; ``compile`` raises ``ValueError`` naming the problem for a bad spec and
+    ``NotImplementedError`` for a feature it does not support (so ``auto`` can fall
+    back to another backend).
+    """
+
+    __required_attributes__ = ("supported_kinds",)
+    supported_kinds: frozenset[str]
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec, tokenizer_info: TokenizerInfo) -> Any: ...
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher: ...

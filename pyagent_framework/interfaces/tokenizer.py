@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids for one model.
+
+    Built by the engine with ``cls.from_pretrained(path, **options)``. Chat templates
+    are rendered by the kernel in a sandbox (:mod:`pyagent_framework.chat_templates`)
+    from ``chat_template``; incremental detokenization is built by the kernel on
+    ``decode``, so a tokenizer only has to decode correctly.
+    """
+
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, path: str, **options) -> "Tokenizer": ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation (some models have several)."""
+
+    @property
+    @abstractmethod
+    def chat_template(self) -> str | None:
+        """The model's own Jinja chat template, or None."""
+
+    @abstractmethod
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (for grammars and logprobs)."""

@@ -1,0 +1,62 @@
+"""Every named registry, one per kind. Reading any of them loads plugins on first use.
+
+    from pyagent_framework import registries
+    registries.tool_parsers.load("hermes")
+    registries.eviction_policies.names()
+"""
+
+from __future__ import annotations
+
+from pyagent_framework import interfaces
+from pyagent_framework.plugins import ensure_loaded
+from pyagent_framework.registry import Registry
+
+
+def _registry(kind: str, interface: type) -> Registry:
+    return Registry(kind, interface, ensure_loaded=ensure_loaded)
+
+
+tokenizers = _registry("tokenizer", interfaces.Tokenizer)
+model_architectures = _registry("model_architecture", interfaces.ModelArchitecture)
+weight_formats = _registry("weight_format", interfaces.WeightFormat)
+attention_backends = _registry("attention_backend", interfaces.AttentionBackend)
+quantizers = _registry("quantizer", interfaces.Quantizer)
+tool_parsers = _registry("tool_parser", interfaces.ToolParser)
+reasoning_parsers = _registry("reasoning_parser", interfaces.ReasoningParser)
+grammar_backends = _registry("grammar_backend", interfaces.GrammarBackend)
+kv_connectors = _registry("kv_connector", interfaces.KVConnector)
+eviction_policies = _registry("eviction_policy", interfaces.EvictionPolicy)
+chat_templates = _registry("chat_template", interfaces.ChatTemplateSource)
+
+#: Plural name (as in ``pyagent_register_<plural>``) -> registry.
+REGISTRIES: dict[str, Registry] = {
+    "tokenizers": tokenizers,
+    "model_architectures": model_architectures,
+    "weight_formats": weight_formats,
+    "attention_backends": attention_backends,
+    "quantizers": quantizers,
+    "tool_parsers": tool_parsers,
+    "reasoning_parsers": reasoning_parsers,
+    "grammar_backends": grammar_backends,
+    "kv_connectors": kv_connectors,
+    "eviction_policies": eviction_policies,
+    "chat_templates": chat_templates,
+}
+
+#: Singular kind name ("tool_parser") -> registry.
+KINDS: dict[str, Registry] = {registry.kind: registry for registry in REGISTRIES.values()}
+
+
+def get(kind: str) -> Registry:
+    """The registry of a kind, by singular ("eviction_policy") or plural name;
+    dashes are accepted for underscores."""
+    key = kind.strip().replace("-", "_")
+    if key in KINDS:
+        return KINDS[key]
+    if key in REGISTRIES:
+        return REGISTRIES[key]
+    import difflib
+
+    close = difflib.get_close_matches(key, list(KINDS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise KeyError(f"unknown kind {kind!r}{hint} (kinds: {', '.join(KINDS)})")

@@ -1,0 +1,136 @@
+"""Data types shared by the kernel, the engine and plugins. Declared once, here.
+
+Plugins import these; they never re-declare them. Nothing here imports torch: tensor
+fields are annotated by name only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class AttentionMetadata:
+    """What an attention backend needs to know about one forward pass.
+
+    The batch is flattened: the new tokens of every sequence are concatenated, in
+    sequence order. The paged KV cache of one layer is a tensor of shape
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (keys, then values).
+
+    - ``slot_mapping[i]``: flat cache slot (``block * block_size + offset``) that the
+      i-th new token's key/value is written to; ``-1`` means "do not write".
+    - ``query_start_loc``: ``[num_seqs + 1]`` prefix sums of new-token counts.
+    - ``seq_lens``: ``[num_seqs]`` total length of each sequence after this step
+      (cached context plus new tokens); new tokens are the last ones.
+    - ``block_tables``: ``[num_seqs, max_blocks]`` block ids of each sequence, padded
+      with ``-1``.
+    """
+
+    slot_mapping: "torch.Tensor"
+    query_start_loc: "torch.Tensor"
+    seq_lens: "torch.Tensor"
+    block_tables: "torch.Tensor"
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+
+
+# --------------------------------------------------------------------------- grammar
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One structured-output constraint.
+
+    ``value`` is a JSON schema (dict or JSON text) for ``json_schema``, ``None`` for
+    ``json_object``, a pattern for ``regex``, a list of strings for ``choice``, grammar
+    text for ``grammar`` and a backend-defined mapping for ``structural_tag``.
+    """
+
+    kind: GrammarKind
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The vocabulary as a grammar backend sees it.
+
+    ``vocab[i]`` is the raw bytes token ``i`` decodes to (byte-fallback and
+    multi-byte pieces included); ``special_ids`` never match grammar text.
+    """
+
+    vocab: tuple[bytes, ...]
+    eos_token_ids: frozenset[int]
+    special_ids: frozenset[int] = frozenset()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+@dataclass
+class ToolCall:
+    """A complete tool call in OpenAI's shape; ``arguments`` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+
+@dataclass
+class ExtractedToolCalls:
+    """Result of parsing a whole model output for tool calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def tools_called(self) -> bool:
+        return bool(self.tool_calls)
+
+
+@dataclass
+class ToolCallDelta:
+    """A streamed fragment of the ``index``-th tool call of a message.
+
+    ``id`` and ``name`` are sent once, with the first fragment; ``arguments`` carries
+    the next piece of the JSON argument text.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    type: str | None = None
+
+
+@dataclass
+class DeltaMessage:
+    """What one streamed step adds to the assistant message."""
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.content or self.reasoning_content or self.tool_calls)
+
+
+@dataclass
+class ReasoningSplit:
+    """Result of splitting a whole output into reasoning and answer."""
+
+    reasoning_content: str | None
+    content: str | None
