@@ -27,7 +27,8 @@ _DIST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 def kinds() -> list[str]:
     """Kinds the scaffold can render an example entry for."""
-    return sorted(p.name for p in (templates_dir() / "plugin" / "kinds").iterdir() if p.is_dir())
+    root = templates_dir() / "plugin" / "kinds"
+    return sorted(p.parent.name for p in root.glob("*/entry.py.jinja") if (p.parent / "test.py.jinja").is_file())
 
 
 def _camel(name: str) -> str:
