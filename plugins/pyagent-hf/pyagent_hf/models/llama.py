@@ -1,0 +1,327 @@
+"""The Llama family decoder (Llama, Mistral, Qwen2, Qwen3) as a plain ``nn.Module``.
+
+One readable implementation in the style of gpt-fast / nano-vllm; the architectures
+differ only in which projections carry a bias, Qwen3's per-head q/k RMSNorm and their
+config defaults, which the subclasses set (see :class:`DecoderSpec`).
+
+Layout, for speed: q/k/v are one fused ``qkv_proj`` linear and gate/up one fused
+``gate_up_proj`` linear; :meth:`LlamaForCausalLM.load_weights` packs the checkpoint's
+separate ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` tensors into
+them by row offset. Every linear layer is a plain ``torch.nn.Linear`` so the engine can
+swap it for a quantized module after loading.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyagent_framework.interfaces import ModelArchitecture
+from pyagent_framework.types import ForwardContext
+
+from .rope import RotaryEmbedding, rope_parameters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What distinguishes one architecture of the family (and its config defaults,
+    copied from the transformers config class of the same name)."""
+
+    # config defaults
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: = num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # default of config["attention_bias"]
+    sliding_window: int | None = None
+    # structure
+    qkv_bias_from_config: bool = True  # q/k/v bias = config["attention_bias"]
+    qkv_bias_always: bool = False  # Qwen2: q/k/v always have a bias
+    o_bias_from_config: bool = True  # o_proj bias = config["attention_bias"]
+    mlp_bias_from_config: bool = True  # Llama's "mlp_bias"
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)``, computed in float32 as transformers does."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, fused
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attention_backend: type,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        rms_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        context: ForwardContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
+        else:
+            # q and k side by side are rotated in one go.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn.forward(q, k, v, kv_cache, context.metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: MLP, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x, cos, sin, kv_cache, context):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, context)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """``model.*`` of the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[DecoderLayer], norm: RMSNorm) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class LlamaForCausalLM(nn.Module, ModelArchitecture):
+    """Llama (1/2/3.x, SmolLM, TinyLlama, ...) for the paged engine.
+
+    Built as ``cls(config, attention_backend)`` from an HF ``config.json`` mapping
+    (missing keys take transformers' defaults for the config class); each layer builds
+    ``attention_backend(num_heads, head_dim, num_kv_heads, head_dim ** -0.5)``.
+
+    - ``forward(input_ids [T], positions [T], context)`` -> hidden ``[T, hidden]``;
+      layer ``i`` attends with ``context.kv_caches[i]`` and ``context.metadata``.
+    - ``compute_logits(hidden [N, hidden])`` -> float32 logits ``[N, vocab]``.
+    - ``load_weights(pairs)`` takes HF checkpoint names (``model.layers.0.self_attn.q_proj.weight``,
+      ...), returns the names it loaded; an unknown name or a wrong shape is a
+      ``ValueError`` naming the tensor. ``rotary_emb.inv_freq`` buffers are skipped; with
+      tied embeddings a checkpoint ``lm_head.weight`` is checked and skipped.
+    - ``kv_cache_shape(num_blocks, block_size)`` -> ``(num_layers, 2, num_blocks,
+      block_size, num_kv_heads, head_dim)``.
+
+    Config: ``attention_bias`` (q/k/v/o bias), ``mlp_bias``, ``head_dim``,
+    ``rms_norm_eps``, ``rope_theta`` and ``rope_parameters``/``rope_scaling`` (types
+    default, linear, dynamic, llama3, yarn), ``tie_word_embeddings`` (default False,
+    as in every transformers config class of the family). Only ``hidden_act: silu`` is
+    supported. Dynamic (NTK) RoPE rescales per sequence: a token uses the base
+    transformers would use for its sequence's length after this step (from
+    ``context.metadata``), so results do not depend on what else is in the batch.
+    """
+
+    spec: ClassVar[DecoderSpec] = DecoderSpec()
+
+    def __init__(self, config: Mapping[str, Any], attention_backend: type) -> None:
+        super().__init__()
+        spec = self.spec
+        self.config = dict(config)
+        get = self.config.get
+
+        def value(key, default):
+            found = get(key)
+            return default if found is None else found
+
+        self.vocab_size = int(value("vocab_size", spec.vocab_size))
+        self.hidden_size = int(value("hidden_size", spec.hidden_size))
+        self.intermediate_size = int(value("intermediate_size", spec.intermediate_size))
+        self.num_layers = int(value("num_hidden_layers", spec.num_hidden_layers))
+        self.num_heads = int(value("num_attention_heads", spec.num_attention_heads))
+        kv_default = spec.num_key_value_heads if spec.num_key_value_heads is not None else self.num_heads
+        self.num_kv_heads = int(value("num_key_value_heads", kv_default))
+        head_dim_default = spec.head_dim if spec.head_dim is not None else self.hidden_size // self.num_heads
+        self.head_dim = int(value("head_dim", head_dim_default))
+        self.rms_norm_eps = float(value("rms_norm_eps", spec.rms_norm_eps))
+        self.max_position_embeddings = int(value("max_position_embeddings", spec.max_position_embeddings))
+        self.tie_word_embeddings = bool(value("tie_word_embeddings", spec.tie_word_embeddings))
+        self.sliding_window = self._sliding_window(self.config)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+        act = value("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported (only 'silu')")
+        if self.sliding_window is not None:
+            logger.info(
+                "%s: sliding_window=%s is not applied; attention is full (exact up to that length)",
+                type(self).__name__, self.sliding_window,
+            )
+
+        attention_bias = bool(value("attention_bias", spec.attention_bias))
+        qkv_bias = spec.qkv_bias_always or (spec.qkv_bias_from_config and attention_bias)
+        o_bias = spec.o_bias_from_config and attention_bias
+        mlp_bias = spec.mlp_bias_from_config and bool(value("mlp_bias", False))
+
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope_parameters(self.config))
+        layers = [
+            DecoderLayer(
+                Attention(
+                    self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend,
+                    qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
+                ),
+                MLP(self.hidden_size, self.intermediate_size, mlp_bias),
+                self.hidden_size,
+                self.rms_norm_eps,
+            )
+            for _ in range(self.num_layers)
+        ]
+        self.model = DecoderModel(
+            nn.Embedding(self.vocab_size, self.hidden_size), layers, RMSNorm(self.hidden_size, self.rms_norm_eps)
+        )
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.requires_grad_(False)  # inference only
+
+    def _sliding_window(self, config: Mapping[str, Any]) -> int | None:
+        """The configured sliding window (not applied by this implementation)."""
+        return None
+
+    # ------------------------------------------------------------------ engine API
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, self._token_seq_lens(context, positions), dtype=x.dtype)
+        for layer, kv_cache in zip(self.model.layers, context.kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, context)
+        return self.model.norm(x)
+
+    def _token_seq_lens(self, context: ForwardContext, positions: torch.Tensor) -> torch.Tensor | None:
+        """Each token's sequence length after this step (only dynamic RoPE needs it)."""
+        if self.rotary_emb.rope_type != "dynamic" or context is None:
+            return None
+        md = context.metadata
+        query_lens = (md.query_start_loc[1:] - md.query_start_loc[:-1]).to(torch.int64)
+        return torch.repeat_interleave(md.seq_lens.to(torch.int64), query_lens).to(positions.device)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    # ------------------------------------------------------------------ weights
+
+    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Checkpoint name -> (our tensor, row offset, rows) for every loadable tensor."""
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
+        packed = {
+            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
+            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
+        }
+        for name, param in self.named_parameters():  # shared (tied) tensors appear once
+            module, _, kind = name.rpartition(".")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in packed:
+                for shard, offset, rows in packed[leaf]:
+                    targets[f"{parent}.{shard}.{kind}"] = (param, offset, rows)
+            else:
+                targets[name] = (param, 0, param.shape[0])
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        targets = self._param_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                expected = (self.vocab_size, self.hidden_size)
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+                loaded.add(name)  # the head is the embedding; nothing to copy
+                continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"{type(self).__name__}: unexpected weight {name!r}")
+            param, offset, rows = target
+            expected = (rows, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            with torch.no_grad():
+                param[offset : offset + rows].copy_(tensor)
+            loaded.add(name)
+        return loaded
