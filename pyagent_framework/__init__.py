@@ -11,12 +11,22 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "LLM", "SamplingParams", "hookimpl", "registries"]
+
+# Imported on first use: `import pyagent_framework` stays free of torch.
+_LAZY = {
+    "registries": ("pyagent_framework.registries", None),
+    "LLM": ("pyagent_framework.engine.llm", "LLM"),
+    "AsyncLLM": ("pyagent_framework.engine.async_llm", "AsyncLLM"),
+    "SamplingParams": ("pyagent_framework.engine.params", "SamplingParams"),
+}
 
 
 def __getattr__(name: str):
-    if name == "registries":
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module("pyagent_framework.registries")
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        return module if attr is None else getattr(module, attr)
     raise AttributeError(f"module 'pyagent_framework' has no attribute {name!r}")

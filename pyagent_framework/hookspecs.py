@@ -59,7 +59,8 @@ def pyagent_register_model_architectures(register):
     are the strings a checkpoint's ``config.json`` lists under ``architectures`` (for
     example ``"LlamaForCausalLM"``). Each entry is a ``torch.nn.Module`` subclass
     satisfying :class:`pyagent_framework.interfaces.ModelArchitecture`, built as
-    ``cls(config, quantizer=...)``. Register it lazily so listing does not import torch.
+    ``cls(config, attention_backend=...)``. Register it lazily so listing does not
+    import torch.
     """
 
 

@@ -41,6 +41,17 @@ class AttentionMetadata:
     max_seq_len: int
 
 
+@dataclass
+class ForwardContext:
+    """Everything a model's layers need for one forward pass besides the tokens.
+
+    ``kv_caches[i]`` is layer ``i``'s paged cache (see :class:`AttentionMetadata`).
+    """
+
+    metadata: AttentionMetadata
+    kv_caches: "list[torch.Tensor]"
+
+
 # --------------------------------------------------------------------------- grammar
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]

@@ -16,6 +16,24 @@ def pyagent_register_eviction_policies(register):
 
 
 @hookimpl
+def pyagent_register_attention_backends(register):
+    register(
+        "torch",
+        "pyagent_framework.builtins.torch_attention:TorchAttention",
+        description="reference paged attention in plain torch (SDPA per sequence, batched decode)",
+    )
+
+
+@hookimpl
+def pyagent_register_weight_formats(register):
+    register(
+        "dummy",
+        "pyagent_framework.builtins.dummy_weights:DummyWeights",
+        description="random weights from a config.json (tests and benchmarks)",
+    )
+
+
+@hookimpl
 def pyagent_register_quantizers(register):
     register(
         "none",

@@ -77,6 +77,135 @@ def _cmd_plugin_new(args: argparse.Namespace) -> int:
     return 0
 
 
+# Engine options whose flag name the sampling flags use (``--seed`` seeds the request).
+CLI_SHADOWED = {"seed"}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (the same names as ``LLM(**engine_args)``)."""
+    import attrs
+
+    from pyagent_framework.engine.config import EngineConfig
+
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", dest="config_file", default=None, help="YAML/JSON file of engine options")
+    for field in attrs.fields(EngineConfig):
+        if field.name in CLI_SHADOWED:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    import attrs
+
+    from pyagent_framework.engine.config import EngineConfig
+
+    return {
+        f.name: getattr(args, f.name)
+        for f in attrs.fields(EngineConfig)
+        if f.name not in CLI_SHADOWED and getattr(args, f.name) is not None
+    }
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pyagent_framework.engine.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _build_llm(args: argparse.Namespace):
+    from pyagent_framework.engine.llm import LLM
+
+    return LLM(config_file=args.config_file, **engine_args(args))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _sampling_params(args)
+    if args.json:
+        for out in llm.generate(args.prompt, params):
+            print(json.dumps(_output_json(out)))
+        return 0
+    for prompt in args.prompt:
+        printed = 0
+        for out in llm.stream(prompt, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+        sys.stdout.write("\n")
+    return 0
+
+
+def _output_json(out) -> dict:
+    completion = out.outputs[0]
+    metrics = out.metrics
+    return {
+        "prompt": out.prompt,
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason,
+        "metrics": {
+            "arrival_time": metrics.arrival_time,
+            "first_token_time": metrics.first_token_time,
+            "finish_time": metrics.finish_time,
+            "time_to_first_token": metrics.time_to_first_token,
+            "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_output_tokens": len(completion.token_ids),
+        },
+    }
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.encode(llm.engine.render_chat(messages), add_special_tokens=False)
+        printed, text = 0, ""
+        for out in llm.stream(prompt, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": text})
+    return 0
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyagent", description="pyagent-framework command line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -89,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", nargs="?", help="e.g. tokenizer, eviction_policy, tool_parser")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("generate", help="generate text from prompts")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _add_sampling_flags(p, max_tokens=128)
+    add_engine_flags(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat that streams tokens (reads stdin)")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_flags(p, max_tokens=512)
+    add_engine_flags(p)
+    p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("plugin", help="plugin authoring tools")
     plugin_sub = p.add_subparsers(dest="plugin_command", required=True, metavar="ACTION")
@@ -111,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PluginLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # ConfigError / InvalidRequestError name the bad option
+        if type(exc).__name__ not in ("ConfigError", "InvalidRequestError"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

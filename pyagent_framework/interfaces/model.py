@@ -8,13 +8,23 @@ from typing import Any
 class ModelArchitecture(ABC):
     """A causal language model as a plain ``torch.nn.Module``.
 
-    Built as ``cls(config, quantizer=...)`` from the checkpoint's HF-style config
-    mapping. ``forward(input_ids, positions, context)`` takes the flattened new tokens
-    of a batch and a forward context (attention metadata and per-layer KV caches) and
-    returns hidden states; ``compute_logits`` maps hidden states to vocabulary logits;
-    ``load_weights`` consumes ``(checkpoint_name, tensor)`` pairs and returns the names
-    it loaded. Real entries subclass ``torch.nn.Module``; listing this interface keeps
-    the kernel free of torch.
+    Built as ``cls(config, attention_backend=backend_cls)`` from the checkpoint's
+    HF-style config mapping; each attention layer builds its own backend instance as
+    ``backend_cls(num_heads, head_size, num_kv_heads, scale)``. Linear layers are
+    ordinary ``torch.nn.Linear`` modules; after loading, the engine swaps each for
+    ``quantizer.make_linear(weight, bias)`` (see :mod:`pyagent_framework.engine.loader`).
+
+    - ``forward(input_ids, positions, context)``: the flattened new tokens of a batch
+      (``[num_tokens]``), their positions, and a
+      :class:`~pyagent_framework.types.ForwardContext`; returns hidden states
+      ``[num_tokens, hidden_size]``.
+    - ``compute_logits(hidden_states)``: vocabulary logits for the given rows.
+    - ``load_weights(pairs)``: consumes ``(checkpoint_name, tensor)`` pairs with HF
+      names and returns the set of names it loaded; an unexpected name or shape is a
+      ``ValueError`` naming it.
+
+    Real entries subclass ``torch.nn.Module``; this interface keeps the kernel free of
+    torch.
     """
 
     @abstractmethod

@@ -11,7 +11,9 @@ class WeightFormat(ABC):
     Built as ``cls()``. ``matches(path)`` says whether the path is in this format;
     ``load_config(path)`` returns an HF-style config mapping (``architectures``,
     ``hidden_size``, ...); ``iter_weights(path)`` yields ``(name, tensor)`` pairs with
-    HF parameter names, reading lazily where the format allows.
+    HF parameter names, reading lazily where the format allows. ``load_into`` fills a
+    built model; the default feeds ``iter_weights`` to ``model.load_weights``, and a
+    format that makes weights rather than reading them (``dummy``) overrides it.
     """
 
     @abstractmethod
@@ -22,3 +24,7 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def iter_weights(self, path: str) -> Iterator[tuple[str, Any]]: ...
+
+    def load_into(self, model: Any, path: str) -> set[str]:
+        """Load the checkpoint at ``path`` into ``model``; returns the names loaded."""
+        return model.load_weights(self.iter_weights(path))

@@ -1,0 +1,152 @@
+"""Engine configuration: one attrs class, shared by ``LLM(**engine_args)`` and the
+``pyagent generate|chat|serve`` flags (same names, dashes for underscores).
+
+Values come from keyword arguments, CLI flags, a YAML/JSON file (``--config``) or
+``PYAGENT_<FIELD>`` environment variables, structured by cattrs; errors name the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+
+from pyagent_framework.engine.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``1073741824``, ``"2GiB"``, ``"512MB"``, ``"1.5G"`` (binary units with ``i``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (examples: 2GiB, 512MiB, 1073741824)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    binary = "I" in unit
+    letter = unit[:1] if unit not in ("B", "") else ""
+    scale = 1024 ** "KMGT".index(letter) * 1024 if binary and letter else _UNITS[letter]
+    size = int(number * scale)
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def _positive(instance, attribute, value) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.define(kw_only=True)
+class EngineConfig:
+    """Everything the engine is built from. Registry choices are names."""
+
+    model: str | None = attrs.field(default=None, metadata={"help": "model: 'smollm2' (default), an HF directory or a .gguf file"})
+    tokenizer: str | None = attrs.field(default=None, metadata={"help": "tokenizer registry name (e.g. hf, tiktoken) or a tokenizer path for 'hf' (default: the model's own)"})
+    weight_format: str | None = attrs.field(default=None, metadata={"help": "weight format name (default: detected)"})
+    attention_backend: str = attrs.field(default="torch", metadata={"help": "attention backend name"})
+    quantization: str | None = attrs.field(default=None, metadata={"help": "quantizer name (default: none)"})
+    dtype: str = attrs.field(default="float32", metadata={"help": "compute dtype: float32, bfloat16, float16"})
+    kv_cache_memory: str | None = attrs.field(default="1GiB", metadata={"help": "KV cache memory budget, e.g. 2GiB"})
+    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "KV cache size in blocks (overrides --kv-cache-memory)"})
+    block_size: int = attrs.field(default=16, validator=_positive, metadata={"help": "tokens per KV block"})
+    max_num_seqs: int = attrs.field(default=64, validator=_positive, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive, metadata={"help": "token budget of one step (chunked prefill)"})
+    max_model_len: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "context window (default: the model's)"})
+    chat_template: str | None = attrs.field(default=None, metadata={"help": "chat template registry name (default: the tokenizer's)"})
+    seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
+    num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
+
+    def kv_cache_bytes(self) -> int | None:
+        if self.kv_cache_memory is None:
+            return None
+        try:
+            return parse_size(self.kv_cache_memory)
+        except ValueError as exc:
+            raise ConfigError(f"kv_cache_memory: {exc}", field="kv_cache_memory") from None
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in attrs.fields(EngineConfig)]
+
+
+def make_config(values: dict[str, Any] | None = None, *, config_file: str | None = None, env: bool = True) -> EngineConfig:
+    """Build a config from (lowest to highest priority) environment variables,
+    a YAML/JSON file and explicit values. Errors name the field."""
+    merged: dict[str, Any] = {}
+    if env:
+        for name in field_names():
+            raw = os.environ.get(f"PYAGENT_{name.upper()}")
+            if raw is not None:
+                merged[name] = raw
+    if config_file:
+        merged.update(_read_config_file(config_file))
+    merged.update({k: v for k, v in (values or {}).items() if v is not None})
+    unknown = sorted(set(merged) - set(field_names()))
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, field_names(), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"unknown engine option(s): {', '.join(hints)}", field=unknown[0])
+    try:
+        return _converter.structure(merged, EngineConfig)
+    except Exception as exc:  # cattrs ClassValidationError / attrs validators
+        raise ConfigError(_describe(exc), field=_first_field(exc)) from None
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _leaf_errors(exc: BaseException) -> list[tuple[str | None, BaseException]]:
+    if isinstance(exc, BaseExceptionGroup):
+        out = []
+        for sub in exc.exceptions:
+            out.extend(_leaf_errors(sub))
+        return out
+    field = None
+    for note in getattr(exc, "__notes__", []) or []:
+        match = re.search(r"attribute '?(\w+)'?|field '?(\w+)'?", str(note))
+        if match:
+            field = match.group(1) or match.group(2)
+    return [(field, exc)]
+
+
+def _describe(exc: BaseException) -> str:
+    parts = []
+    for field, leaf in _leaf_errors(exc):
+        parts.append(f"{field}: {leaf}" if field and field not in str(leaf) else str(leaf))
+    return "invalid engine option: " + "; ".join(parts)
+
+
+def _first_field(exc: BaseException) -> str | None:
+    for field, _ in _leaf_errors(exc):
+        if field:
+            return field
+    return None

@@ -1,0 +1,105 @@
+"""The offline Python API: ``LLM(...).generate(...)``, ``.chat(...)``, ``.stream(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence as Seq
+from typing import Any, Union
+
+from pyagent_framework.engine.llm_engine import LLMEngine
+from pyagent_framework.engine.outputs import RequestOutput
+from pyagent_framework.engine.params import SamplingParams
+
+Prompt = Union[str, Seq[int]]
+Messages = Seq[Mapping[str, Any]]
+
+
+class LLM:
+    """Generate from a model in this process.
+
+    ``LLM(model="smollm2", attention_backend="torch", quantization=None, **engine_args)``
+    takes the same options as the ``pyagent generate|chat|serve`` flags.
+    """
+
+    def __init__(self, model: str | None = None, *, config_file: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_args(config_file=config_file, model=model, **engine_args)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Outputs for every prompt, in the order given. A single prompt may be a string
+        or a list of token ids."""
+        finals = {out.request_id: out for out in self.stream(prompts, params) if out.finished}
+        return [finals[rid] for rid in self._last_ids]
+
+    def stream(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield an output each time a request advances; all run together."""
+        prompts = _as_prompt_list(prompts)
+        param_list = _as_params_list(params, len(prompts))
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, param_list):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        self._last_ids = ids
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in pending:  # the caller stopped early
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: Messages | Seq[Messages],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Seq[Mapping[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [
+            self.engine.tokenizer.encode(
+                self.engine.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

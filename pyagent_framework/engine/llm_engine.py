@@ -1,0 +1,367 @@
+"""The synchronous engine: requests in, one scheduling step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pyagent_framework import registries
+from pyagent_framework.chat_templates import render_chat_template
+from pyagent_framework.engine import loader
+from pyagent_framework.engine.config import EngineConfig, make_config
+from pyagent_framework.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
+from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.kv_cache import BlockPool
+from pyagent_framework.engine.model_runner import ModelRunner, StepLogits
+from pyagent_framework.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pyagent_framework.engine.params import SamplingParams
+from pyagent_framework.engine.sampler import SampleResult, Sampler, top_logprobs
+from pyagent_framework.engine.scheduler import Scheduler
+from pyagent_framework.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pyagent_framework.engine")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    reported: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """Owns the model, the KV cache and every request's state.
+
+    ``add_request`` validates and queues; ``step`` runs one forward pass for the
+    scheduled batch and returns an output for every request that advanced.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = loader.resolve_model(config.model)
+        weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
+        self.model_config = weight_format.load_config(self.model_path)
+        self.tokenizer = self._load_tokenizer(config)
+        self.model = loader.build_model(
+            self.model_path,
+            self.model_config,
+            weight_format=weight_format,
+            attention_backend=config.attention_backend,
+            quantization=config.quantization,
+            dtype=config.dtype,
+        )
+        self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
+        self.max_model_len = self._max_model_len(config)
+        self.kv_caches, num_blocks = self._allocate_kv_cache(config)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed)
+        self.chat_template = self._chat_template(config)
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "LLMEngine":
+        return cls(make_config(engine_args, config_file=config_file))
+
+    # ------------------------------------------------------------------ set-up
+
+    def _load_tokenizer(self, config: EngineConfig):
+        name, path = "hf", self.model_path
+        if config.tokenizer:
+            if config.tokenizer in registries.tokenizers:
+                name = config.tokenizer
+            else:
+                name, path = "hf", config.tokenizer
+        cls = loader.load_entry(registries.tokenizers, name, "tokenizer")
+        try:
+            return cls.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"tokenizer: cannot load {name!r} from {path}: {exc}", field="tokenizer") from exc
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        native = self.model_config.get("max_position_embeddings")
+        if config.max_model_len is None:
+            if not native:
+                raise ConfigError("the model config has no max_position_embeddings; set max_model_len", field="max_model_len")
+            return int(native)
+        return config.max_model_len
+
+    def _allocate_kv_cache(self, config: EngineConfig) -> tuple[list[torch.Tensor], int]:
+        dtype = loader.torch_dtype(config.dtype)
+        per_block = self.model.kv_cache_shape(1, config.block_size)
+        bytes_per_block = math.prod(per_block) * torch.empty((), dtype=dtype).element_size()
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks = config.kv_cache_bytes() // bytes_per_block
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory/num_kv_blocks or lower max_model_len",
+                field="kv_cache_memory",
+            )
+        cache = torch.zeros(self.model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, cache.nbytes / 2**20)
+        return list(cache.unbind(0)), num_blocks
+
+    def _chat_template(self, config: EngineConfig) -> str | None:
+        if config.chat_template:
+            return loader.load_entry(registries.chat_templates, config.chat_template, "chat_template").source
+        return self.tokenizer.chat_template
+
+    # ------------------------------------------------------------------ requests
+
+    def render_chat(
+        self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True, tools=None, chat_template: str | None = None
+    ) -> str:
+        source = chat_template or self.chat_template
+        if source is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass chat_template (e.g. 'chatml')", param="messages"
+            )
+        return render_chat_template(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=getattr(self.tokenizer, "bos_token", None) or "",
+            eos_token=getattr(self.tokenizer, "eos_token", None) or "",
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Validate and queue a request; raises :class:`InvalidRequestError` naming the
+        bad field and leaves the engine unchanged."""
+        params = (params or SamplingParams()).validate(self.vocab_size)
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, ids = self._tokenize_prompt(prompt, add_special_tokens)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the context window is {self.max_model_len}; "
+                "at least one token must be left to generate",
+                param="prompt",
+            )
+        now = time.time() if arrival_time is None else arrival_time
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                request_id=request_id,
+                index=index,
+                token_ids=list(ids),
+                num_prompt_tokens=len(ids),
+                params=params,
+                arrival_time=now,
+                max_total_tokens=self.max_model_len,
+            )
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + index) % 2**63)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+            seqs.append(seq)
+        request = Request(request_id, text, list(ids), params, seqs, RequestMetrics(arrival_time=now))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize_prompt(self, prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if prompt is None or isinstance(prompt, (bytes, Mapping)):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {token!r} is not a token id of this model (0..{self.vocab_size - 1})", param="prompt"
+                )
+        return None, ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (or None
+        if it is unknown or already done)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        now = time.time()
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self._finish(seq, "abort", now)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.num_preemptions += batch.num_preempted
+        if not batch:
+            return []
+        logits = self.runner.execute(batch)
+        for seq, num_new in batch.items:
+            seq.num_computed_tokens += num_new
+        now = time.time()
+        self._record_prompt_logprobs(logits)
+        if logits.sample_seqs:
+            results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
+            for seq, result in zip(logits.sample_seqs, results):
+                self._append_token(seq, result, now)
+        touched = dict.fromkeys(seq.request_id for seq in logits.sample_seqs)
+        outputs = []
+        for request_id in touched:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _record_prompt_logprobs(self, logits: StepLogits) -> None:
+        for request in self.requests.values():
+            seq = request.seqs[0]
+            if request.prompt_logprobs is None or seq.seq_id not in logits.prompt_rows:
+                continue
+            first, rows = logits.prompt_rows[seq.seq_id]
+            logprobs = torch.log_softmax(rows.float(), dim=-1)
+            for offset in range(rows.shape[0]):
+                position = first + offset
+                if position + 1 < len(request.prompt_logprobs):
+                    continue  # recomputed after a preemption: already recorded
+                target = request.prompt_token_ids[position + 1]
+                _, entry = top_logprobs(logprobs[offset], target, request.params.prompt_logprobs)
+                request.prompt_logprobs.append(entry)
+
+    def _append_token(self, seq: Sequence, result: SampleResult, now: float) -> None:
+        params = seq.params
+        token = result.token_id
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.logprobs is not None and result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+            seq.cumulative_logprob += result.logprob
+        delta = seq.detokenizer.add(token)
+        seq.output_text += delta
+        num_out = seq.num_output_tokens
+        can_stop = num_out >= params.min_tokens
+
+        stops = params.stop_strings
+        if stops and can_stop and delta:
+            found = find_stop(seq.output_text, len(delta), stops)
+            if found is not None:
+                index, stop = found
+                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                self._finish(seq, "stop", now, stop)
+                return
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop", now)
+        elif can_stop and token in (params.stop_token_ids or ()):
+            self._finish(seq, "stop", now, token)
+        elif params.max_tokens is not None and num_out >= params.max_tokens:
+            self._finish(seq, "length", now)
+        elif seq.num_tokens >= seq.max_total_tokens:
+            self._finish(seq, "length", now)
+        if seq.is_finished:
+            tail = seq.detokenizer.flush()
+            seq.output_text += tail
+            if stops and tail:
+                found = find_stop(seq.output_text, len(tail), stops)
+                if found is not None:
+                    index, stop = found
+                    seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _finish(self, seq: Sequence, reason: str, now: float, stop_reason: str | int | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.finish_time = now
+        self.scheduler.remove(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq in request.seqs:
+            text = seq.output_text
+            if not seq.is_finished and seq.params.stop_strings:
+                withheld = partial_stop_length(text, seq.params.stop_strings)
+                text = text[: len(text) - withheld]
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                )
+            )
+        metrics = request.metrics
+        firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+        metrics.first_token_time = min(firsts) if firsts else None
+        if request.finished:
+            metrics.finish_time = max(s.finish_time or 0.0 for s in request.seqs)
+        metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.finished,
+            metrics=metrics,
+            prompt_logprobs=request.prompt_logprobs,
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks": self.pool.num_blocks,
+            "num_free_kv_blocks": self.pool.num_free_blocks,
+            "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,74 @@
+"""Builds the flattened batch of one step and runs the model on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyagent_framework.engine.scheduler import ScheduledBatch
+from pyagent_framework.engine.sequence import Sequence
+from pyagent_framework.types import AttentionMetadata, ForwardContext
+
+
+@dataclass
+class StepLogits:
+    """Logits of the rows the sampler needs: one per sequence that completes its
+    scheduled tokens this step (``sample_seqs``), plus prompt rows for sequences that
+    asked for prompt logprobs (``prompt_rows``: seq -> (first prompt position, logits))."""
+
+    sample_seqs: list[Sequence]
+    sample_logits: torch.Tensor | None
+    prompt_rows: dict[int, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepLogits:
+        input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        sample_rows, sample_seqs = [], []
+        prompt_spans: dict[int, tuple[int, int, int]] = {}  # seq_id -> (row0, first pos, count)
+        max_blocks = max(len(seq.block_ids) for seq, _ in batch.items)
+        for seq, num_new in batch.items:
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            row0 = starts[-1]
+            input_ids.extend(seq.token_ids[begin:end])
+            pos = torch.arange(begin, end)
+            positions.append(pos)
+            block_ids = torch.tensor(seq.block_ids, dtype=torch.long)
+            slots.append(block_ids[pos // self.block_size] * self.block_size + pos % self.block_size)
+            starts.append(row0 + num_new)
+            seq_lens.append(end)
+            tables.append(seq.block_ids + [-1] * (max_blocks - len(seq.block_ids)))
+            if end == seq.num_tokens:
+                sample_rows.append(row0 + num_new - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None and begin < seq.num_prompt_tokens - 1:
+                last = min(end, seq.num_prompt_tokens - 1)  # position whose next token is still prompt
+                prompt_spans[seq.seq_id] = (row0, begin, last - begin)
+
+        metadata = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            block_size=self.block_size,
+            max_query_len=max(n for _, n in batch.items),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.cat(positions),
+            ForwardContext(metadata=metadata, kv_caches=self.kv_caches),
+        )
+        sample_logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
+        prompt_rows = {
+            seq_id: (first, self.model.compute_logits(hidden[row0 : row0 + count]))
+            for seq_id, (row0, first, count) in prompt_spans.items()
+        }
+        return StepLogits(sample_seqs, sample_logits, prompt_rows)

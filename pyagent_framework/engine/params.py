@@ -1,0 +1,135 @@
+"""Sampling parameters of one request, validated with errors that name the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pyagent_framework.engine.errors import InvalidRequestError
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 300
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (vLLM-compatible names and defaults).
+
+    ``temperature=0`` (or ``top_k=1``) is greedy. ``top_k <= 0`` disables top-k.
+    ``logprobs=k`` returns the chosen token's logprob and the top k alternatives per
+    step; ``prompt_logprobs=k`` the same for every prompt token after the first.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Check every field; raise :class:`InvalidRequestError` naming the first bad one."""
+        _int("n", self.n, low=1, high=MAX_N)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, low=1)
+        _int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens"
+            )
+        _float("temperature", self.temperature, low=0.0)
+        _int("top_k", self.top_k, low=-1)
+        _float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _float("min_p", self.min_p, low=0.0, high=1.0)
+        _float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _int("seed", self.seed, low=-MAX_SEED, high=MAX_SEED)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        _int("priority", self.priority)
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        for stop in stops:
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {stop!r}", param="stop")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}", param="stop"
+                )
+        for token in self.stop_token_ids or []:
+            _token_id("stop_token_ids", token, vocab_size)
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}", param="logit_bias"
+                )
+            for token, bias in self.logit_bias.items():
+                _token_id("logit_bias", token, vocab_size)
+                _float("logit_bias", bias, low=-100.0, high=100.0)
+        return self
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if low is not None and value < low:
+        raise InvalidRequestError(f"{name} must be >= {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise InvalidRequestError(f"{name} must be <= {high}, got {value}", param=name)
+
+
+def _float(name: str, value: Any, *, low: float, high: float | None = None, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+    if value < low or (low_open and value == low):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value}", param=name)
+    if high is not None and value > high:
+        raise InvalidRequestError(f"{name} must be <= {high}, got {value}", param=name)
+
+
+def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise InvalidRequestError(f"{name}: token ids must be integers, got {token!r}", param=name)
+    if token < 0 or (vocab_size is not None and token >= vocab_size):
+        raise InvalidRequestError(f"{name}: token id {token} is outside the vocabulary (0..{(vocab_size or 0) - 1})", param=name)

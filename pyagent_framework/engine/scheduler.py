@@ -1,0 +1,104 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running sequences are
+served first, in order: a decoding sequence needs one token, a sequence still in
+prefill gets as much of its remaining prompt as the budget allows (chunked prefill).
+Waiting sequences join while budget, ``max_num_seqs`` and free blocks allow. When
+blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
+are freed and it waits to be recomputed from scratch (prompt plus what it generated).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pyagent_framework.engine.kv_cache import BlockPool
+from pyagent_framework.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``(sequence, number of new tokens)`` pairs, in order."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        keys = [s.sort_key() for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.sort_key()), seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of scheduling (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.pool.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self._preemption_victim(scheduled)
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                batch.items.append((seq, num_new))
+                scheduled.add(seq.seq_id)
+                budget -= num_new
+                index += 1
+
+        if batch.num_preempted == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.pool.allocate(seq, num_new):
+                    break
+                self.waiting.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                batch.items.append((seq, num_new))
+                budget -= num_new
+        return batch
+
+    def _preemption_victim(self, scheduled: set[int]) -> Sequence:
+        # Lowest priority first, newest first; never one already in this step's batch
+        # unless nothing else is left (then the current sequence itself).
+        candidates = [s for s in self.running if s.seq_id not in scheduled] or self.running
+        return max(candidates, key=Sequence.sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.add(seq)
