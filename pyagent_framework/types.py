@@ -30,6 +30,9 @@ class AttentionMetadata:
       (cached context plus new tokens); new tokens are the last ones.
     - ``block_tables``: ``[num_seqs, max_blocks]`` block ids of each sequence, padded
       with ``-1``.
+
+    One object describes one forward pass and is not modified afterwards, so a backend
+    may cache what it derives from it (on the object) for the other layers.
     """
 
     slot_mapping: "torch.Tensor"

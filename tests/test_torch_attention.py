@@ -175,39 +175,43 @@ def test_bad_head_counts_raise():
         _backend(6, 16, 4, None)
 
 
-def test_metadata_shared_by_layers_and_updated_in_place():
-    """Layers share one metadata object (derived state is computed once); a host that
-    updates its metadata tensors in place (persistent buffers) still gets fresh results."""
+def test_metadata_shared_by_layers_then_replaced_each_step():
+    """Layers share one metadata object per forward pass (what the backend derives from
+    it is computed once, by the first layer); each step brings a new object."""
     g = torch.Generator().manual_seed(3)
     block_size, kvh, d, heads = 4, 1, 8, 2
     backend = _backend(heads, d, kvh, None)
     caches = [torch.zeros(2, 6, block_size, kvh, d) for _ in range(2)]
     for cache in caches:
         cache[:, :4].copy_(torch.randn(2, 4, block_size, kvh, d, generator=g))
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor([5, 9]),  # two decodes: seq 0 at position 5, seq 1 at position 1
-        query_start_loc=torch.tensor([0, 1, 2]),
-        seq_lens=torch.tensor([6, 2]),
-        block_tables=torch.tensor([[0, 1], [2, -1]]),
-        block_size=block_size,
-        max_query_len=1,
-        max_seq_len=7,  # an upper bound, unchanged below: only the tensors change
-    )
+
+    def step_metadata(step: int) -> AttentionMetadata:
+        # Two decodes: seq 0 at position 5 + step, seq 1 at position 1 + step.
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([5 + step, 9 + step]),
+            query_start_loc=torch.tensor([0, 1, 2]),
+            seq_lens=torch.tensor([6 + step, 2 + step]),
+            block_tables=torch.tensor([[0, 1], [2, -1]]),
+            block_size=block_size,
+            max_query_len=1,
+            max_seq_len=8,  # an upper bound
+        )
 
     def expected(cache, q, table, seq_len):
         flat = cache[:, table].reshape(2, -1, kvh, d)[:, :seq_len]
         return _reference(q[None], flat[0], flat[1], d**-0.5)[0]
 
+    plans = []
     for step in range(2):
+        metadata = step_metadata(step)
         q = torch.randn(2, heads, d, generator=g)
         k = torch.randn(2, kvh, d, generator=g)
         for cache in caches:  # layer after layer, same metadata
             out = backend.forward(q, k, k.clone(), cache, metadata)
             torch.testing.assert_close(out[0], expected(cache, q[0], [0, 1], int(metadata.seq_lens[0])))
             torch.testing.assert_close(out[1], expected(cache, q[1], [2], int(metadata.seq_lens[1])))
-        # Next step, in place: seq 0 moves on to position 6, seq 1 to position 2.
-        metadata.slot_mapping.copy_(torch.tensor([6, 10]))
-        metadata.seq_lens.add_(1)
+        plans.append(metadata.__dict__["_torch_attention_plan"])
+    assert plans[0] is not plans[1]
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 100_000])

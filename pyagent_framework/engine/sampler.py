@@ -70,9 +70,9 @@ def apply_top_k_top_p_min_p(
         logits.masked_fill_(logits < kth, NEG_INF)
     if bool((top_p < 1.0).any()):
         probs_sorted, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
-        cumulative = probs_sorted.cumsum(dim=-1)
         # Keep a token if the mass strictly before it is below top_p (the first is always kept).
-        remove_sorted = (cumulative - probs_sorted) >= top_p.unsqueeze(-1)
+        mass_before = torch.cat([torch.zeros_like(probs_sorted[:, :1]), probs_sorted[:, :-1].cumsum(dim=-1)], dim=-1)
+        remove_sorted = mass_before >= top_p.unsqueeze(-1)
         remove_sorted[:, 0] = False
         remove = torch.zeros_like(remove_sorted).scatter_(-1, order, remove_sorted)
         logits.masked_fill_(remove, NEG_INF)
@@ -94,7 +94,8 @@ class Sampler:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._process(logits.clone(), seqs)
+        if any(_needs_processing(s) for s in seqs):
+            logits = self._process(logits.clone(), seqs)  # the caller's logits stay raw
 
         greedy = [s.params.greedy for s in seqs]
         token_ids = torch.empty(len(seqs), dtype=torch.long)
@@ -157,6 +158,17 @@ class Sampler:
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _needs_processing(seq: Sequence) -> bool:
+    params = seq.params
+    return bool(
+        params.logit_bias
+        or seq.num_output_tokens < params.min_tokens
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> tuple[float, dict[int, Logprob]]:

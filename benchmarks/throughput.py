@@ -1,0 +1,157 @@
+"""Generation throughput: this engine vs transformers generate() (and optionally
+llama-cpp-python) on the same model and the same work, in one run.
+
+    .venv/bin/python benchmarks/throughput.py                  # 64 chat prompts x 128 tokens
+    .venv/bin/python benchmarks/throughput.py --mode single    # one stream, 128 tokens
+    .venv/bin/python benchmarks/throughput.py --peer llama-cpp # adds llama-cpp-python on the GGUF
+
+Greedy, ignore EOS, fp32 for both engines. Prints output tokens per second for each
+and the ratio ours / peer. Model loading is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+TOPICS = [
+    "the water cycle", "black holes", "the French revolution", "photosynthesis", "binary search",
+    "the immune system", "plate tectonics", "compound interest", "the printing press", "volcanoes",
+    "machine learning", "the Roman empire", "vaccines", "climate change", "the internet", "coral reefs",
+]
+TEMPLATES = [
+    "Explain {} to a ten-year-old.",
+    "Write a short paragraph about {}.",
+    "What are three surprising facts about {}?",
+    "Give a one-paragraph summary of {} and why it matters.",
+]
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": TEMPLATES[i % len(TEMPLATES)].format(TOPICS[i % len(TOPICS)])}] for i in range(n)]
+
+
+def run_ours(model: str | None, prompt_ids: list[list[int]], max_tokens: int, args) -> dict:
+    from pyagent_framework import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompt_ids[:1], params.replace(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_ids, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = sorted(o.metrics.time_to_first_token for o in outputs)
+    return {"engine": "pyagent", "seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
+            "ttft_p50_s": ttft[len(ttft) // 2]}
+
+
+def load_transformers(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path.endswith(".gguf"):
+        kwargs = {"gguf_file": os.path.basename(path)}
+        path = os.path.dirname(path)
+    else:
+        kwargs = {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    return model, tokenizer
+
+
+def run_transformers(path: str, prompt_ids: list[list[int]], max_tokens: int, batch_size: int) -> dict:
+    model, tokenizer = load_transformers(path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def batch(ids_list):
+        width = max(map(len, ids_list))
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in ids_list])  # left padding
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in ids_list])
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(ids_list)
+
+    batch(prompt_ids[:1][:1])  # warm-up
+    start = time.perf_counter()
+    tokens = sum(batch(prompt_ids[i : i + batch_size]) for i in range(0, len(prompt_ids), batch_size))
+    elapsed = time.perf_counter() - start
+    return {"engine": f"transformers generate (batch {batch_size}, fp32)", "seconds": elapsed, "output_tokens": tokens,
+            "tok_per_s": tokens / elapsed}
+
+
+def run_llama_cpp(path: str, prompt_ids: list[list[int]], max_tokens: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+    start = time.perf_counter()
+    tokens = 0
+    for ids in prompt_ids:  # llama-cpp-python serves one sequence at a time
+        llm.reset()
+        for n, _ in enumerate(llm.generate(ids, temp=0.0), start=1):
+            if n >= max_tokens:
+                break
+        tokens += max_tokens
+    elapsed = time.perf_counter() - start
+    return {"engine": "llama-cpp-python (sequential)", "seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--mode", choices=["batch", "single"], default="batch")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--peer", action="append", default=["transformers"], choices=["transformers", "llama-cpp"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from pyagent_framework.chat_templates import render_chat_template
+    from pyagent_framework.engine.loader import resolve_model
+    from pyagent_framework import registries
+
+    path = resolve_model(args.model)
+    tokenizer = registries.tokenizers.load("hf").from_pretrained(path)
+    count = 1 if args.mode == "single" else args.num_prompts
+    prompt_ids = [
+        tokenizer.encode(render_chat_template(tokenizer.chat_template, c), add_special_tokens=False)
+        for c in chat_prompts(count)
+    ]
+    hf_batch = 1 if args.mode == "single" else args.hf_batch_size
+
+    results = [run_ours(args.model, prompt_ids, args.max_tokens, args)]
+    for peer in dict.fromkeys(args.peer):
+        if peer == "transformers":
+            results.append(run_transformers(path, prompt_ids, args.max_tokens, hf_batch))
+        elif peer == "llama-cpp":
+            try:
+                results.append(run_llama_cpp(path, prompt_ids, args.max_tokens))
+            except ImportError:
+                print("llama-cpp-python is not installed: skipping that peer")
+
+    ours = results[0]["tok_per_s"]
+    for r in results[1:]:
+        r["ours_over_peer"] = ours / r["tok_per_s"]
+    summary = {
+        "model": os.path.basename(path), "mode": args.mode, "prompts": count, "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(), "results": results,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"{summary['model']}  mode={args.mode}  prompts={count}  max_tokens={args.max_tokens}  threads={summary['threads']}")
+    for r in results:
+        ratio = f"   ours/peer = {r['ours_over_peer']:.2f}x" if "ours_over_peer" in r else ""
+        print(f"  {r['engine']:<45} {r['tok_per_s']:8.1f} tok/s  ({r['output_tokens']} tokens in {r['seconds']:.1f} s){ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The embedded default model end to end: SmolLM2-135M-Instruct from its GGUF, greedy
+tokens identical to transformers loading the same GGUF, logprobs within 1e-4."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pyagent_framework import LLM, SamplingParams
+from pyagent_framework.engine.loader import resolve_model
+from tests.tiny_models import hf_greedy
+
+QUESTIONS = [
+    "Hi",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a KV cache is in a transformer language model.",
+    "Translate 'good morning' into Spanish, French and German, one per line.",
+    "def fib(n):\n    # complete this Python function that returns the n-th Fibonacci number",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react. The fox runs into the forest, where it meets an owl who asks it why it is in such a hurry.",
+]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()  # no model given: the embedded default
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [
+        llm.tokenizer.encode(llm.engine.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    return [hf_greedy(model, p, MAX_NEW, eos_token_id=eos) for p in prompts]
+
+
+def test_default_model_is_the_embedded_smollm2(llm):
+    assert llm.engine.model_path.endswith(".gguf")
+    assert llm.engine.model_config["architectures"] == ["LlamaForCausalLM"]
+    assert llm.engine.model_config["num_hidden_layers"] == 30
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
+    assert len({len(p) for p in prompts}) == len(prompts)  # 8 different lengths
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
+    for out, (tokens, logprobs) in zip(outputs, reference):
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens
+        ours = [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]
+        assert ours == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_answers_a_question(llm):
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=20))
+    assert "Paris" in out.outputs[0].text
