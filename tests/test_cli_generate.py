@@ -64,3 +64,14 @@ def test_chat_reads_turns_from_stdin_and_streams_answers(path):
     )
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2  # two answers, then /exit
+
+
+def test_generate_chat_renders_the_prompt_as_a_user_turn(path):
+    result = run_cli(
+        "generate", "--model", path, "--chat", "--prompt", "hi", "--max-tokens", "2", "--ignore-eos", "--json",
+        "--kv-cache-memory", "16MiB", "--max-model-len", "128",
+    )
+    assert result.returncode == 0, result.stderr
+    line = json.loads(result.stdout)
+    assert line["prompt"] == "hi"
+    assert line["metrics"]["num_prompt_tokens"] > 2  # the template's role markers came along

@@ -131,11 +131,17 @@ def _build_llm(args: argparse.Namespace):
 def _cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
     params = _sampling_params(args)
+    prompts = args.prompt
+    if args.chat:  # each prompt is one user turn, rendered with the chat template
+        prompts = [
+            llm.tokenizer.encode(llm.engine.render_chat([{"role": "user", "content": p}]), add_special_tokens=False)
+            for p in prompts
+        ]
     if args.json:
-        for out in llm.generate(args.prompt, params):
-            print(json.dumps(_output_json(out)))
+        for text, out in zip(args.prompt, llm.generate(prompts, params)):
+            print(json.dumps({**_output_json(out), "prompt": text}))
         return 0
-    for prompt in args.prompt:
+    for prompt in prompts:
         printed = 0
         for out in llm.stream(prompt, params):
             text = out.outputs[0].text
@@ -222,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text from prompts")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     _add_sampling_flags(p, max_tokens=128)
     add_engine_flags(p)
     p.set_defaults(func=_cmd_generate)
