@@ -191,7 +191,7 @@ def test_chat_uses_the_tokenizer_template(llm):
     rendered = llm.engine.render_chat(messages)
     assert rendered == "<|user|>hi\n<|assistant|>"
     [out] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False) == llm.encode_chat(messages)
 
 
 def test_named_chat_template_replaces_the_tokenizers(path):

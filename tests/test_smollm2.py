@@ -32,10 +32,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def prompts(llm):
-    return [
-        llm.tokenizer.encode(llm.engine.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
-        for q in QUESTIONS
-    ]
+    return [llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

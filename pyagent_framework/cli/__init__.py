@@ -133,23 +133,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     prompts = args.prompt
     if args.chat:  # each prompt is one user turn, rendered with the chat template
-        prompts = [
-            llm.tokenizer.encode(llm.engine.render_chat([{"role": "user", "content": p}]), add_special_tokens=False)
-            for p in prompts
-        ]
+        prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     if args.json:
         for text, out in zip(args.prompt, llm.generate(prompts, params)):
             print(json.dumps({**_output_json(out), "prompt": text}))
         return 0
     for prompt in prompts:
-        printed = 0
-        for out in llm.stream(prompt, params):
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-        sys.stdout.write("\n")
+        _print_stream(llm, prompt, params)
     return 0
+
+
+def _print_stream(llm, prompt, params) -> str:
+    """Print a generation as it streams; return its final text."""
+    printed, text = 0, ""
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    sys.stdout.write("\n")
+    return text
 
 
 def _output_json(out) -> dict:
@@ -189,14 +192,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.encode(llm.engine.render_chat(messages), add_special_tokens=False)
-        printed, text = 0, ""
-        for out in llm.stream(prompt, params):
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
-        sys.stdout.write("\n")
+        text = _print_stream(llm, llm.encode_chat(messages), params)
         messages.append({"role": "assistant", "content": text})
     return 0
 

@@ -78,13 +78,15 @@ class LLM:
         """Render each conversation with the chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [
-            self.engine.tokenizer.encode(
-                self.engine.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template),
-                add_special_tokens=False,
-            )
+            self.encode_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
             for c in conversations
         ]
         return self.generate(prompts, params)
+
+    def encode_chat(self, messages: Messages, **render_options: Any) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (which carries
+        its own special tokens, so none are added)."""
+        return self.engine.tokenizer.encode(self.engine.render_chat(messages, **render_options), add_special_tokens=False)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
