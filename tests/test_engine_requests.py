@@ -198,3 +198,19 @@ def test_named_chat_template_replaces_the_tokenizers(path):
     llm = LLM(path, kv_cache_memory="16MiB", max_model_len=128, chat_template="chatml")
     rendered = llm.engine.render_chat([{"role": "user", "content": "hi"}])
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_bad_prompt_in_a_batch_queues_none_of_them(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([PROMPT, ""], SamplingParams(max_tokens=2))
+    assert info.value.param == "prompt"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_leaving_a_stream_early_aborts_its_requests(llm):
+    free = llm.engine.pool.num_free_blocks
+    stream = llm.stream([PROMPT, "def add"], SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool.num_free_blocks == free

@@ -34,13 +34,19 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs for every prompt, in the order given. A single prompt may be a string
         or a list of token ids."""
-        finals = {out.request_id: out for out in self.stream(prompts, params) if out.finished}
-        return [finals[rid] for rid in self._last_ids]
+        ids = self._submit(prompts, params)
+        finals = {out.request_id: out for out in self._run(ids) if out.finished}
+        return [finals[request_id] for request_id in ids]
 
     def stream(
         self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield an output each time a request advances; all run together."""
+        """Yield an output each time a request advances; all run together. Requests are
+        submitted when iteration starts; stopping early aborts the rest."""
+        yield from self._run(self._submit(prompts, params))
+
+    def _submit(self, prompts, params) -> list[str]:
+        """Validate and queue every prompt, or none of them."""
         prompts = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(prompts))
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
@@ -53,7 +59,9 @@ class LLM:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        self._last_ids = ids
+        return ids
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
         try:
             while pending:
