@@ -326,7 +326,7 @@ def _load_one(pm: _PluginManager, candidate: _Candidate, hooks: dict[str, Regist
         callers = pm.get_hookcallers(module) or []
         unknown = sorted(c.name for c in callers if c.spec is None)
         if unknown:
-            raise _PluginFailed(_unknown_hooks_message(unknown, hooks))
+            raise _PluginFailed(_unknown_hooks_message(unknown))
         info.hooks = sorted(c.name for c in callers)
         staged = _call_registration_hooks(pm, module, info, callers, hooks)
         _commit(staged, info)
@@ -335,7 +335,7 @@ def _load_one(pm: _PluginManager, candidate: _Candidate, hooks: dict[str, Regist
         raise
 
 
-def _unknown_hooks_message(unknown: Iterable[str], hooks: dict[str, Registry]) -> str:
+def _unknown_hooks_message(unknown: Iterable[str]) -> str:
     import difflib
 
     known = sorted(name for name in dir(hookspecs) if name.startswith("pyagent_"))

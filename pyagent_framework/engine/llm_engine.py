@@ -287,12 +287,9 @@ class LLMEngine:
         num_out = seq.num_output_tokens
         can_stop = num_out >= params.min_tokens
 
-        stops = params.stop_strings
-        if stops and can_stop and delta:
-            found = find_stop(seq.output_text, len(delta), stops)
-            if found is not None:
-                index, stop = found
-                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+        if can_stop and delta:
+            stop = self._cut_at_stop(seq, len(delta))
+            if stop is not None:
                 self._finish(seq, "stop", now, stop)
                 return
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
@@ -306,12 +303,22 @@ class LLMEngine:
         if seq.is_finished:
             tail = seq.detokenizer.flush()
             seq.output_text += tail
-            if stops and tail:
-                found = find_stop(seq.output_text, len(tail), stops)
-                if found is not None:
-                    index, stop = found
-                    seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+            if tail:
+                stop = self._cut_at_stop(seq, len(tail))
+                if stop is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, new_chars: int) -> str | None:
+        """If a stop string ends in the last ``new_chars`` characters of the output,
+        cut the text there (keeping the stop string only if asked) and return it."""
+        stops = seq.params.stop_strings
+        found = find_stop(seq.output_text, new_chars, stops) if stops else None
+        if found is None:
+            return None
+        index, stop = found
+        seq.output_text = seq.output_text[: index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        return stop
 
     def _finish(self, seq: Sequence, reason: str, now: float, stop_reason: str | int | None = None) -> None:
         seq.status = SequenceStatus.FINISHED
