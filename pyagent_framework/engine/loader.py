@@ -110,14 +110,18 @@ def build_model(path: str, config: dict, *, weight_format, attention_backend: st
 
 
 def swap_linears(model, quantizer) -> int:
-    """Replace every ``nn.Linear`` (tied output heads excepted) by the quantizer's module."""
+    """Replace every ``nn.Linear`` by the quantizer's module, except one whose weight
+    another module shares (a tied output head: replacing it would untie it)."""
+    from collections import Counter
+
     from torch import nn
 
-    tied = {id(m) for name, m in model.named_modules() if name.endswith("lm_head") and getattr(model, "tie_word_embeddings", False)}
+    owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
     count = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and id(child) not in tied:
-                setattr(parent, child_name, quantizer.make_linear(child.weight.data, None if child.bias is None else child.bias.data))
+            if isinstance(child, nn.Linear) and owners[id(child.weight)] == 1:
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
                 count += 1
     return count
