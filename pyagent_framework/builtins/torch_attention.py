@@ -122,7 +122,7 @@ class TorchAttention(AttentionBackend):
         if num_tokens == 0:
             return torch.empty_like(query)
         if plan.pure_decode:
-            return self._decode(query, kv_cache, plan.decode)
+            return self.decode_attention(query, kv_cache, plan.decode)
 
         output = torch.empty_like(query)
         for seq, start, end, seq_len in plan.prefills:
@@ -131,7 +131,7 @@ class TorchAttention(AttentionBackend):
             )
         if plan.decode is not None:
             rows = plan.decode.rows
-            output.index_copy_(0, rows, self._decode(query.index_select(0, rows), kv_cache, plan.decode))
+            output.index_copy_(0, rows, self.decode_attention(query.index_select(0, rows), kv_cache, plan.decode))
         return output
 
     # ------------------------------------------------------------------ cache write
@@ -171,7 +171,7 @@ class TorchAttention(AttentionBackend):
         gathered = flat.index_select(1, block_ids.reshape(-1))
         return gathered.view(2, batch, n * block_size, kvh, d)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: "_Decode") -> torch.Tensor:
+    def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: "DecodeBatch") -> torch.Tensor:
         """One new token per sequence: ``query [B, H, D]`` -> ``[B, H, D]``.
 
         A single query token needs no causal mask, so the query heads that share a
@@ -180,6 +180,10 @@ class TorchAttention(AttentionBackend):
         chunks of about ``_DECODE_CHUNK_BYTES`` of gathered keys/values, gathered into a
         reused workspace that stays in the CPU cache for SDPA to read; elsewhere the
         batch is one chunk.
+
+        This is the method a backend with its own decode kernel overrides (the rest of
+        the batch handling, cache writes and prefill, is inherited); ``decode`` carries
+        the batch's block tables and lengths (see :class:`DecodeBatch`).
         """
         batch = query.shape[0]
         _, num_blocks, block_size, kvh, d = kv_cache.shape
@@ -265,18 +269,33 @@ class TorchAttention(AttentionBackend):
 _PLAN_ATTR = "_torch_attention_plan"
 
 
-class _Decode:
-    """The single-token sequences of a batch, attended together."""
+class DecodeBatch:
+    """The single-token sequences of a batch, attended together.
+
+    What :meth:`TorchAttention.decode_attention` receives, so a subclass that brings its
+    own decode kernel gets the batch already laid out:
+
+    - ``rows``: ``[B]`` token rows of these sequences in the batch (``None`` when every
+      row is one of them, in order);
+    - ``seq_lens``: ``[B]`` int32, each sequence's length including its new token;
+    - ``block_tables``: ``[B, n]`` int32 as given (``-1`` padding past a sequence's
+      blocks), contiguous; ``n`` covers ``max_seq_len``;
+    - ``tables`` (int64, padding replaced by block 0) and ``mask`` (``[B, 1, 1,
+      max_seq_len]`` additive, ``-inf`` past each length): the torch path's gather
+      indices and mask.
+    """
 
     def __init__(self, rows, tables, seq_lens, max_seq_len, block_size, device) -> None:
         self.rows = rows  # [B] token rows of these sequences in the batch
         # max_seq_len may be an upper bound; never read past the block tables.
         self.max_seq_len = min(int(max_seq_len), tables.shape[1] * block_size)
         num_blocks = -(-self.max_seq_len // block_size)
+        self.block_tables = tables[:, :num_blocks].to(device=device, dtype=torch.int32).contiguous()
+        self.seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
         # Padding (-1) reads block 0; the mask hides it.
-        self.tables = tables[:, :num_blocks].to(device=device, dtype=torch.long).clamp(min=0)
+        self.tables = self.block_tables.long().clamp_(min=0)
         positions = torch.arange(self.max_seq_len, device=device)
-        visible = positions[None, :] < seq_lens.to(device)[:, None]  # [B, S]
+        visible = positions[None, :] < self.seq_lens[:, None]  # [B, S]
         # Additive float mask, built once per step (SDPA would convert a bool mask per layer).
         mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
         self.mask = mask.view(mask.shape[0], 1, 1, self.max_seq_len)
@@ -292,7 +311,7 @@ class _Plan:
         else:
             self.slots, self.keep = slots[keep], keep
         self.prefills: list[tuple[int, int, int, int]] = []  # (seq, start, end, seq_len)
-        self.decode: _Decode | None = None
+        self.decode: DecodeBatch | None = None
         self._tables: dict[int, torch.Tensor] = {}
         self._masks: dict[int, torch.Tensor] = {}
         num_seqs = metadata.seq_lens.shape[0]
@@ -302,7 +321,7 @@ class _Plan:
         self.pure_decode = metadata.max_query_len <= 1 and num_tokens == num_seqs and self.keep is None
         if self.pure_decode:
             if num_seqs:
-                self.decode = _Decode(
+                self.decode = DecodeBatch(
                     None, metadata.block_tables, metadata.seq_lens, metadata.max_seq_len, block_size, device
                 )
             return
@@ -322,7 +341,7 @@ class _Plan:
             self.prefills.append((i, starts[i], starts[i] + 1, seq_lens[i]))
         elif decodes:
             seqs = torch.tensor(decodes)
-            self.decode = _Decode(
+            self.decode = DecodeBatch(
                 torch.tensor([starts[i] for i in decodes], device=device),
                 metadata.block_tables.index_select(0, seqs.to(metadata.block_tables.device)),
                 metadata.seq_lens.index_select(0, seqs.to(metadata.seq_lens.device)),
