@@ -1,0 +1,152 @@
+// Paged decode attention for CPU, reading keys and values in place from the block
+// pool (no gather). Plain loops written for the auto-vectorizer: the same source is
+// the portable build and, compiled with -mavx2 -mfma, the AVX2 build.
+//
+// Per work item (one sequence, one key/value head) with G query heads in its group:
+//   1. scores[g][t] = scale * <q_g, k_t>       for t < seq_len, block by block
+//   2. softmax over t per query head (max-subtracted, exact division at the end)
+//   3. out_g = sum_t p[g][t] * v_t / sum_t p[g][t]
+#include <algorithm>
+#include <cstring>
+
+
+#include "kernels.h"
+#include "simd.h"
+
+#ifndef PYAGENT_ISA
+#error "PYAGENT_ISA must name the instruction-set namespace"
+#endif
+
+namespace pyagent {
+namespace PYAGENT_ISA {
+namespace {
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' single-precision
+// polynomial after range reduction, ~1 ulp. Branch-free so loops over it vectorize;
+// the truncating conversion is a floor because x <= 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = x * 1.44269504088896341f;
+  const int32_t n = -static_cast<int32_t>(0.5f - fx);  // round(fx) for fx <= 0
+  const float nf = static_cast<float>(n);
+  float r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+
+
+// One work item with the head size D known at compile time (kD > 0: the dot products
+// and the value accumulator unroll into registers) or at run time (kD == 0).
+template <int64_t kD>
+void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* table, int64_t len,
+                 float* __restrict scores) {
+  const int64_t D = kD > 0 ? kD : a.head_size;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t token_stride = a.num_kv_heads * D;
+  const int64_t block_stride = a.block_size * token_stride;
+  const int64_t num_used = (len + a.block_size - 1) / a.block_size;
+  const float* q = a.query + (seq * a.num_heads + kvh * group) * D;
+  float* out = a.out + (seq * a.num_heads + kvh * group) * D;
+
+  // 1. scores[g][t] = scale * <q_g, k_t>
+  for (int64_t b = 0; b < num_used; ++b) {
+    const float* kb = a.key_cache + table[b] * block_stride + kvh * D;
+    const int64_t t0 = b * a.block_size;
+    const int64_t n = std::min(a.block_size, len - t0);
+    int64_t j = 0;
+    if (kHaveDot4 && D % 8 == 0) {
+      for (; j + 4 <= n; j += 4) {
+        for (int64_t g = 0; g < group; ++g) {
+          dot4(q + g * D, kb + j * token_stride, token_stride, D, a.scale, scores + g * len + t0 + j);
+        }
+      }
+    }
+    for (; j < n; ++j) {
+      const float* k = kb + j * token_stride;
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t0 + j] = dot(q + g * D, k, D) * a.scale;
+    }
+  }
+  // 2. softmax per query head, normalized in place
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float m = s[0];
+    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      const float e = exp_nonpositive(s[t] - m);
+      s[t] = e;
+      total += e;
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+  // 3. out_g = sum_t p[g][t] * v_t, one query head at a time so its accumulator
+  //    stays in registers (the value rows are re-read from L1/L2 per head).
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * len;
+    float acc[kD > 0 ? kD : 1024];
+    std::fill(acc, acc + D, 0.0f);
+    for (int64_t b = 0; b < num_used; ++b) {
+      const float* vb = a.value_cache + table[b] * block_stride + kvh * D;
+      const int64_t t0 = b * a.block_size;
+      const int64_t n = std::min(a.block_size, len - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vb + j * token_stride;
+        const float w = p[t0 + j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+      }
+    }
+    std::memcpy(out + g * D, acc, sizeof(float) * D);
+  }
+}
+
+}  // namespace
+
+bool paged_decode_items(const DecodeArgs& a, int64_t begin, int64_t end, std::vector<float>& scratch) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  bool ok = true;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t seq = item / a.num_kv_heads;
+    const int64_t kvh = item % a.num_kv_heads;
+    const int64_t len = a.seq_lens[seq];
+    const int32_t* table = a.block_tables + seq * a.table_stride;
+    if (len <= 0) {
+      float* out = a.out + (seq * a.num_heads + kvh * group) * a.head_size;
+      std::fill(out, out + group * a.head_size, 0.0f);
+      continue;
+    }
+    const int64_t num_used = (len + a.block_size - 1) / a.block_size;
+    bool item_ok = true;
+    for (int64_t b = 0; b < num_used; ++b) {
+      if (table[b] < 0 || table[b] >= a.num_blocks) item_ok = false;
+    }
+    if (!item_ok) {
+      ok = false;
+      continue;
+    }
+    scratch.resize(static_cast<size_t>(group * len));
+    switch (a.head_size) {
+      case 64: decode_item<64>(a, seq, kvh, table, len, scratch.data()); break;
+      case 128: decode_item<128>(a, seq, kvh, table, len, scratch.data()); break;
+      default: decode_item<0>(a, seq, kvh, table, len, scratch.data()); break;
+    }
+  }
+  return ok;
+}
+
+}  // namespace PYAGENT_ISA
+}  // namespace pyagent

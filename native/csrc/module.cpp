@@ -1,0 +1,113 @@
+// Python bindings of the native core. Arrays arrive as numpy views of torch tensors
+// (zero-copy); every shape, dtype and layout is checked here, so a wrong argument is a
+// ValueError naming it, never a read out of bounds.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "dispatch.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+const T* checked(const py::array& arr, const char* name, py::ssize_t ndim, bool writable = false) {
+  if (!py::isinstance<py::array_t<T>>(arr) || !arr.dtype().is(py::dtype::of<T>())) {
+    throw py::value_error(std::string(name) + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) +
+                          ", got " + std::string(py::str(arr.dtype())));
+  }
+  if (arr.ndim() != ndim) {
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions, got " +
+                          std::to_string(arr.ndim()));
+  }
+  if (!(arr.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
+  if (writable && !arr.writeable()) throw py::value_error(std::string(name) + ": must be writable");
+  return static_cast<const T*>(arr.data());
+}
+
+void expect_dim(const py::array& arr, const char* name, int axis, py::ssize_t size, const char* what) {
+  if (arr.shape(axis) != size) {
+    throw py::value_error(std::string(name) + ".shape[" + std::to_string(axis) + "] is " +
+                          std::to_string(arr.shape(axis)) + ", expected " + std::to_string(size) + " (" + what + ")");
+  }
+}
+
+void paged_decode_attention(py::array out, py::array query, py::array key_cache, py::array value_cache,
+                            py::array block_tables, py::array seq_lens, float scale, int num_threads,
+                            const std::string& isa) {
+  pyagent::DecodeArgs a{};
+  a.out = const_cast<float*>(checked<float>(out, "out", 3, true));
+  a.query = checked<float>(query, "query", 3);
+  a.key_cache = checked<float>(key_cache, "key_cache", 4);
+  a.value_cache = checked<float>(value_cache, "value_cache", 4);
+  a.block_tables = checked<int32_t>(block_tables, "block_tables", 2);
+  a.seq_lens = checked<int32_t>(seq_lens, "seq_lens", 1);
+  a.num_seqs = query.shape(0);
+  a.num_heads = query.shape(1);
+  a.head_size = query.shape(2);
+  a.num_blocks = key_cache.shape(0);
+  a.block_size = key_cache.shape(1);
+  a.num_kv_heads = key_cache.shape(2);
+  a.table_stride = block_tables.shape(1);
+  a.scale = scale;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
+    throw py::value_error("query has " + std::to_string(a.num_heads) + " heads, not a multiple of key_cache's " +
+                          std::to_string(a.num_kv_heads) + " key/value heads");
+  }
+  for (int i = 0; i < 3; ++i) expect_dim(out, "out", i, query.shape(i), "as query");
+  for (int i = 0; i < 4; ++i) expect_dim(value_cache, "value_cache", i, key_cache.shape(i), "as key_cache");
+  expect_dim(key_cache, "key_cache", 3, a.head_size, "query's head size");
+  if (a.head_size < 1 || a.head_size > 1024) {
+    throw py::value_error("head size " + std::to_string(a.head_size) + " is outside 1..1024");
+  }
+  expect_dim(block_tables, "block_tables", 0, a.num_seqs, "one row per sequence");
+  expect_dim(seq_lens, "seq_lens", 0, a.num_seqs, "one per sequence");
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    if (a.seq_lens[s] < 0 || a.seq_lens[s] > a.table_stride * a.block_size) {
+      throw py::value_error("seq_lens[" + std::to_string(s) + "] = " + std::to_string(a.seq_lens[s]) +
+                            " does not fit its block table (" + std::to_string(a.table_stride) + " blocks of " +
+                            std::to_string(a.block_size) + ")");
+    }
+  }
+  if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  pyagent::paged_decode_attention(a, num_threads, isa);
+}
+
+void linear(py::array out, py::array x, py::array weight, py::object bias, int num_threads, const std::string& isa) {
+  pyagent::LinearArgs a{};
+  a.out = const_cast<float*>(checked<float>(out, "out", 2, true));
+  a.x = checked<float>(x, "x", 2);
+  a.weight = checked<float>(weight, "weight", 2);
+  a.M = x.shape(0);
+  a.K = x.shape(1);
+  a.N = weight.shape(0);
+  expect_dim(weight, "weight", 1, a.K, "x's features");
+  expect_dim(out, "out", 0, a.M, "x's rows");
+  expect_dim(out, "out", 1, a.N, "weight's output features");
+  py::array bias_array;
+  if (!bias.is_none()) {
+    bias_array = bias.cast<py::array>();
+    a.bias = checked<float>(bias_array, "bias", 1);
+    expect_dim(bias_array, "bias", 0, a.N, "weight's output features");
+  }
+  if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  pyagent::linear(a, num_threads, isa);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "pyagent-framework native core (C++17)";
+  m.def("best_isa", &pyagent::best_isa, "The instruction set the kernels run with here: 'avx2' or 'generic'.");
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout).");
+  m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
+}

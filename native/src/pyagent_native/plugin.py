@@ -1,0 +1,62 @@
+"""Hook implementations of pyagent-native.
+
+The entry point ``native`` in the ``pyagent_framework`` group names this module. The
+compiled core is imported when the hooks run, not when the entry point is listed: if
+it cannot be imported (no compiler at install time, a CPU or platform it was not
+built for), the plugin registers nothing and warns once, naming itself, and the
+framework's Python entries serve as before.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from pyagent_framework import hookimpl
+from pyagent_framework.plugins import PluginWarning
+
+# The pyagent_framework plugin API versions this plugin works with.
+PYAGENT_API = ">=1.0,<2"
+
+_core_error: str | None = None
+_warned = False
+
+
+def core_available() -> bool:
+    """Whether the compiled core imports here (warns once, naming the plugin, if not)."""
+    global _core_error, _warned
+    try:
+        from pyagent_native import _core  # noqa: F401
+    except ImportError as exc:
+        _core_error = f"{type(exc).__name__}: {exc}"
+        if not _warned:
+            _warned = True
+            warnings.warn(
+                f"pyagent-native: the compiled core did not import ({_core_error}); "
+                "its entries (attention backend and quantizer 'native') are unavailable",
+                PluginWarning,
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
+@hookimpl
+def pyagent_register_attention_backends(register):
+    if not core_available():
+        return
+    register(
+        "native",
+        "pyagent_native.attention:NativeAttention",
+        description="paged attention with a C++ decode kernel reading the KV cache in place (CPU, float32)",
+    )
+
+
+@hookimpl
+def pyagent_register_quantizers(register):
+    if not core_available():
+        return
+    register(
+        "native",
+        "pyagent_native.linear:NativeQuantizer",
+        description="unquantized float32; decode-sized matmuls (<= 32 rows) streamed by a C++ kernel (CPU)",
+    )
