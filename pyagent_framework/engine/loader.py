@@ -58,6 +58,31 @@ def load_entry(registry, name: str, field: str) -> Any:
         raise ConfigError(f"{field}: {exc}", field=field) from None
 
 
+# "auto" picks the first of these attention backends that is registered here: the
+# native core's in-place paged kernel when its plugin is installed, else the built-in.
+AUTO_ATTENTION_BACKENDS = ("native", "torch")
+
+
+def choose_attention_backend(name: str) -> str:
+    if name != "auto":
+        return name
+    return next((n for n in AUTO_ATTENTION_BACKENDS if n in registries.attention_backends), "torch")
+
+
+# With no quantization named, float32 models take the first of these quantizers that is
+# registered: the native core's unquantized linears (a faster small-batch kernel, same
+# weights), else plain torch linears.
+AUTO_QUANTIZERS = ("native", "none")
+
+
+def choose_quantization(name: str | None, dtype: str) -> str:
+    if name is not None:
+        return name
+    if dtype.lower() not in ("float32", "fp32"):
+        return "none"
+    return next((n for n in AUTO_QUANTIZERS if n in registries.quantizers), "none")
+
+
 def choose_weight_format(path: str, name: str | None):
     if name is not None:
         fmt = load_entry(registries.weight_formats, name, "weight_format")()
@@ -95,8 +120,9 @@ def build_model(path: str, config: dict, *, weight_format, attention_backend: st
         raise ConfigError(f"the config of {path} names no architectures", field="model")
     arch_name = next((a for a in architectures if a in registries.model_architectures), architectures[0])
     arch = load_entry(registries.model_architectures, arch_name, "model")
-    backend = load_entry(registries.attention_backends, attention_backend, "attention_backend")
-    quantizer_cls = load_entry(registries.quantizers, quantization or "none", "quantization")
+    backend = load_entry(registries.attention_backends, choose_attention_backend(attention_backend), "attention_backend")
+    quantization = choose_quantization(quantization, dtype)
+    quantizer_cls = load_entry(registries.quantizers, quantization, "quantization")
 
     torch_type = torch_dtype(dtype)
     with torch.device("cpu"):
@@ -104,23 +130,26 @@ def build_model(path: str, config: dict, *, weight_format, attention_backend: st
     loaded = weight_format.load_into(model, path)
     logger.info("loaded %d tensors from %s into %s", len(loaded), path, arch_name)
     model = model.to(torch_type)
-    if (quantization or "none") not in ("none", "fp32"):
+    if quantization not in ("none", "fp32"):
         swap_linears(model, quantizer_cls())
     return model.eval()
 
 
 def swap_linears(model, quantizer) -> int:
     """Replace every ``nn.Linear`` by the quantizer's module, except one whose weight
-    another module shares (a tied output head: replacing it would untie it)."""
+    another module shares (a tied output head: replacing it would untie it), unless the
+    quantizer declares ``keeps_weights`` (its module computes from the very tensor it is
+    given, so the tie holds)."""
     from collections import Counter
 
     from torch import nn
 
     owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
+    keeps_weights = bool(getattr(quantizer, "keeps_weights", False))
     count = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and owners[id(child.weight)] == 1:
+            if isinstance(child, nn.Linear) and (owners[id(child.weight)] == 1 or keeps_weights):
                 bias = None if child.bias is None else child.bias.data
                 setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
                 count += 1

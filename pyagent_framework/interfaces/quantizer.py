@@ -11,6 +11,10 @@ class Quantizer(ABC):
     weight (``[out_features, in_features]``) and returns a ``torch.nn.Module`` whose
     ``forward(x)`` computes ``x @ weight.T + bias`` (up to the quantizer's error).
     ``supported_devices`` names the torch device types it runs on.
+
+    Optional: ``keeps_weights = True`` declares that the module computes from the very
+    weight tensor it is given (no copy, no conversion); the engine then also replaces
+    linears whose weight is shared, such as a tied output head, since the tie holds.
     """
 
     __required_attributes__ = ("supported_devices",)
