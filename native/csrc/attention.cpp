@@ -56,54 +56,58 @@ void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* t
   const int64_t token_stride = a.num_kv_heads * D;
   const int64_t block_stride = a.block_size * token_stride;
   const int64_t num_used = (len + a.block_size - 1) / a.block_size;
+  // Keys first..len-1 are visible (all of them without a sliding window).
+  const int64_t first = a.sliding_window > 0 && len > a.sliding_window ? len - a.sliding_window : 0;
+  const int64_t count = len - first;
   const float* q = a.query + (seq * a.num_heads + kvh * group) * D;
   float* out = a.out + (seq * a.num_heads + kvh * group) * D;
 
-  // 1. scores[g][t] = scale * <q_g, k_t>
-  for (int64_t b = 0; b < num_used; ++b) {
+  // 1. scores[g][t - first] = scale * <q_g, k_t>
+  for (int64_t b = first / a.block_size; b < num_used; ++b) {
     const float* kb = a.key_cache + table[b] * block_stride + kvh * D;
     const int64_t t0 = b * a.block_size;
     const int64_t n = std::min(a.block_size, len - t0);
-    int64_t j = 0;
+    int64_t j = std::max<int64_t>(0, first - t0);
+    float* row = scores + (t0 - first);  // row[j] is token t0 + j
     if (kHaveDot4 && D % 8 == 0) {
       for (; j + 4 <= n; j += 4) {
         for (int64_t g = 0; g < group; ++g) {
-          dot4(q + g * D, kb + j * token_stride, token_stride, D, a.scale, scores + g * len + t0 + j);
+          dot4(q + g * D, kb + j * token_stride, token_stride, D, a.scale, row + g * count + j);
         }
       }
     }
     for (; j < n; ++j) {
       const float* k = kb + j * token_stride;
-      for (int64_t g = 0; g < group; ++g) scores[g * len + t0 + j] = dot(q + g * D, k, D) * a.scale;
+      for (int64_t g = 0; g < group; ++g) row[g * count + j] = dot(q + g * D, k, D) * a.scale;
     }
   }
   // 2. softmax per query head, normalized in place
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
+    float* s = scores + g * count;
     float m = s[0];
-    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 1; t < count; ++t) m = s[t] > m ? s[t] : m;
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < count; ++t) {
       const float e = exp_nonpositive(s[t] - m);
       s[t] = e;
       total += e;
     }
     const float inv = 1.0f / total;
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < count; ++t) s[t] *= inv;
   }
   // 3. out_g = sum_t p[g][t] * v_t, one query head at a time so its accumulator
   //    stays in registers (the value rows are re-read from L1/L2 per head).
   for (int64_t g = 0; g < group; ++g) {
-    const float* p = scores + g * len;
+    const float* p = scores + g * count - first;  // p[t] for first <= t < len
     float acc[kD > 0 ? kD : 1024];
     std::fill(acc, acc + D, 0.0f);
-    for (int64_t b = 0; b < num_used; ++b) {
+    for (int64_t b = first / a.block_size; b < num_used; ++b) {
       const float* vb = a.value_cache + table[b] * block_stride + kvh * D;
       const int64_t t0 = b * a.block_size;
       const int64_t n = std::min(a.block_size, len - t0);
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
         const float* v = vb + j * token_stride;
         const float w = p[t0 + j];
 #pragma omp simd
@@ -130,15 +134,16 @@ bool paged_decode_items(const DecodeArgs& a, int64_t begin, int64_t end, std::ve
       continue;
     }
     const int64_t num_used = (len + a.block_size - 1) / a.block_size;
-    bool item_ok = true;
-    for (int64_t b = 0; b < num_used; ++b) {
+    const int64_t first = a.sliding_window > 0 && len > a.sliding_window ? len - a.sliding_window : 0;
+    bool item_ok = true;  // every block the item reads lies in the pool
+    for (int64_t b = first / a.block_size; b < num_used; ++b) {
       if (table[b] < 0 || table[b] >= a.num_blocks) item_ok = false;
     }
     if (!item_ok) {
       ok = false;
       continue;
     }
-    scratch.resize(static_cast<size_t>(group * len));
+    scratch.resize(static_cast<size_t>(group * (len - first)));
     switch (a.head_size) {
       case 64: decode_item<64>(a, seq, kvh, table, len, scratch.data()); break;
       case 128: decode_item<128>(a, seq, kvh, table, len, scratch.data()); break;

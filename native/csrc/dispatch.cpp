@@ -66,8 +66,10 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
   if (!ok.load()) {
     // Find the first offending entry for the message (cheap: only on error).
     for (int64_t s = 0; s < args.num_seqs; ++s) {
-      const int64_t used = (args.seq_lens[s] + args.block_size - 1) / args.block_size;
-      for (int64_t b = 0; b < used; ++b) {
+      const int64_t len = args.seq_lens[s];
+      const int64_t used = (len + args.block_size - 1) / args.block_size;
+      const int64_t first = args.sliding_window > 0 && len > args.sliding_window ? len - args.sliding_window : 0;
+      for (int64_t b = first / args.block_size; b < used; ++b) {
         const int32_t id = args.block_tables[s * args.table_stride + b];
         if (id < 0 || id >= args.num_blocks) {
           throw std::out_of_range("block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "] = " +

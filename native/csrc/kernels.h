@@ -27,6 +27,7 @@ struct DecodeArgs {
   int64_t block_size;
   int64_t num_blocks;
   int64_t table_stride;
+  int64_t sliding_window;  // > 0: a query at position p sees keys p - window < k <= p
   float scale;
 };
 

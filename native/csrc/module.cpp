@@ -36,7 +36,7 @@ void expect_dim(const py::array& arr, const char* name, int axis, py::ssize_t si
 
 void paged_decode_attention(py::array out, py::array query, py::array key_cache, py::array value_cache,
                             py::array block_tables, py::array seq_lens, float scale, int num_threads,
-                            const std::string& isa) {
+                            const std::string& isa, int64_t sliding_window) {
   pyagent::DecodeArgs a{};
   a.out = const_cast<float*>(checked<float>(out, "out", 3, true));
   a.query = checked<float>(query, "query", 3);
@@ -52,6 +52,8 @@ void paged_decode_attention(py::array out, py::array query, py::array key_cache,
   a.num_kv_heads = key_cache.shape(2);
   a.table_stride = block_tables.shape(1);
   a.scale = scale;
+  if (sliding_window < 0) throw py::value_error("sliding_window must be >= 0 (0: none)");
+  a.sliding_window = sliding_window;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
     throw py::value_error("query has " + std::to_string(a.num_heads) + " heads, not a multiple of key_cache's " +
                           std::to_string(a.num_kv_heads) + " key/value heads");
@@ -105,7 +107,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("best_isa", &pyagent::best_isa, "The instruction set the kernels run with here: 'avx2' or 'generic'.");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0,
         "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout).");
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",

@@ -64,6 +64,7 @@ class DecodeCase:
     seq_lens: torch.Tensor  # [B] int32
     num_kv_heads: int
     scale: float
+    sliding_window: int | None = None
 
     @property
     def num_heads(self) -> int:
@@ -78,11 +79,11 @@ class DecodeCase:
         return DecodeBatch(None, self.block_tables, self.seq_lens, int(self.seq_lens.max()), block_size, "cpu")
 
     def backend(self, cls):
-        return cls(self.num_heads, self.head_size, self.num_kv_heads, self.scale)
+        return cls(self.num_heads, self.head_size, self.num_kv_heads, self.scale, sliding_window=self.sliding_window)
 
 
 def make_case(*, seq_lens, num_kv_heads, group, head_size, block_size, spare_blocks=3, extra_cols=0,
-              scale_factor=1.0, seed=0) -> DecodeCase:
+              scale_factor=1.0, seed=0, sliding_window=None) -> DecodeCase:
     """Random query and cache; each sequence's blocks are drawn from a shuffled pool
     (with ``spare_blocks`` nobody uses), its table row padded with ``-1``."""
     g = torch.Generator().manual_seed(seed)
@@ -101,6 +102,7 @@ def make_case(*, seq_lens, num_kv_heads, group, head_size, block_size, spare_blo
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         num_kv_heads=num_kv_heads,
         scale=head_size**-0.5 * scale_factor,
+        sliding_window=sliding_window,
     )
 
 
@@ -120,7 +122,7 @@ def kernel(case: DecodeCase, *, num_threads=1, isa="auto", block_tables=None) ->
     tables = case.block_tables if block_tables is None else block_tables
     _core.paged_decode_attention(
         out.numpy(), case.query.numpy(), case.kv_cache[0].numpy(), case.kv_cache[1].numpy(),
-        tables.numpy(), case.seq_lens.numpy(), case.scale, num_threads, isa,
+        tables.numpy(), case.seq_lens.numpy(), case.scale, num_threads, isa, case.sliding_window or 0,
     )
     return out
 
@@ -157,6 +159,7 @@ def decode_cases(draw):
         extra_cols=draw(st.integers(0, 2)),
         scale_factor=draw(st.floats(0.25, 2.0)),
         seed=draw(st.integers(0, 2**31 - 1)),
+        sliding_window=draw(st.one_of(st.none(), st.integers(1, 40))),
     )
 
 
@@ -576,3 +579,30 @@ def test_missing_core_registers_nothing_and_warns_once(monkeypatch):
         warnings.simplefilter("error")  # a second call stays silent
         assert _registered() == []
         assert native_plugin.core_available() is False
+
+
+def test_engine_sliding_window_matches_transformers(tmp_path):
+    """A Mistral whose 6-token window is shorter than its prompts and outputs: the engine
+    (native backend and linears by default, and the torch backend) decodes transformers'
+    greedy tokens, with chunked prefill under a small token budget too."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from pyagent_framework import LLM
+    from tests.tiny_models import COMMON, hf_greedy, hf_model, save_tokenizer
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=6, tie_word_embeddings=False))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tokenizer(tmp_path)
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 9, 17, 30)]
+    reference = hf_model(str(tmp_path))
+    expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
+    for engine_args in ({}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 8}):
+        _check(_greedy(LLM(str(tmp_path), kv_cache_memory="64MiB", **engine_args), prompts), expected)

@@ -83,7 +83,9 @@ def _workspace(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...])
 class TorchAttention(AttentionBackend):
     """Paged attention in plain torch (SDPA per prefill, one batched SDPA for decodes).
 
-    Built per layer as ``TorchAttention(num_heads, head_size, num_kv_heads, scale)``.
+    Built per layer as ``TorchAttention(num_heads, head_size, num_kv_heads, scale,
+    sliding_window=None)``; with a window, a query at position ``p`` sees only the keys
+    at ``p - sliding_window < k <= p`` (Mistral's and transformers' convention).
     ``forward(query [T, H, D], key [T, KVH, D], value [T, KVH, D], kv_cache [2,
     num_blocks, block_size, KVH, D], metadata) -> [T, H, D]``; see
     :class:`~pyagent_framework.types.AttentionMetadata` for the batch layout. Query head
@@ -91,7 +93,13 @@ class TorchAttention(AttentionBackend):
     """
 
     def __init__(
-        self, num_heads: int, head_size: int, num_kv_heads: int | None = None, scale: float | None = None
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int | None = None,
+        scale: float | None = None,
+        *,
+        sliding_window: int | None = None,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -101,6 +109,10 @@ class TorchAttention(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.scale = self.head_size**-0.5 if scale is None else float(scale)
+        if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) <= 0):
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
+        # A query at position p sees the keys at p - sliding_window < k <= p.
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
 
     # ------------------------------------------------------------------ entry point
 
@@ -191,7 +203,8 @@ class TorchAttention(AttentionBackend):
         tables = decode.tables  # [B, n]
         n = tables.shape[1]
         q = query.reshape(batch, kvh, self.num_queries_per_kv, d)
-        mask = decode.mask if decode.mask.dtype == query.dtype else decode.mask.to(query.dtype)
+        mask = decode.window_mask(self.sliding_window)
+        mask = mask if mask.dtype == query.dtype else mask.to(query.dtype)
         flat = kv_cache.view(2, num_blocks, block_size * kvh * d)
         if kv_cache.device.type != "cpu":
             kv = flat.index_select(1, tables.reshape(-1))
@@ -236,14 +249,19 @@ class TorchAttention(AttentionBackend):
         if context_len == 0:
             k = key.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             v = value.transpose(0, 1).unsqueeze(0)
-            out = self._sdpa(q, k, v, is_causal=num_new > 1)
+            if self.sliding_window is not None and num_new > self.sliding_window:
+                mask = plan.causal_mask(seq, 0, seq_len, query.device, self.sliding_window)
+                out = self._sdpa(q, k, v, attn_mask=mask)
+            else:
+                out = self._sdpa(q, k, v, is_causal=num_new > 1)
         else:
             kv = self._gather(kv_cache, plan.seq_tables(metadata, seq, seq_len))[:, 0, :seq_len]  # [2, S, KVH, D]
             if kv.dtype != query.dtype:
                 kv = kv.to(query.dtype)
             k = kv[0].transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
             v = kv[1].transpose(0, 1).unsqueeze(0)
-            out = self._sdpa(q, k, v, attn_mask=plan.causal_mask(seq, context_len, seq_len, query.device))
+            mask = plan.causal_mask(seq, context_len, seq_len, query.device, self.sliding_window)
+            out = self._sdpa(q, k, v, attn_mask=mask)
         return out[0].transpose(0, 1)  # [L, H, D]
 
     def _sdpa(self, q, k, v, attn_mask=None, is_causal=False) -> torch.Tensor:
@@ -299,6 +317,19 @@ class DecodeBatch:
         # Additive float mask, built once per step (SDPA would convert a bool mask per layer).
         mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
         self.mask = mask.view(mask.shape[0], 1, 1, self.max_seq_len)
+        self._window_masks: dict[int, torch.Tensor] = {}
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """``mask`` with the keys older than ``window`` tokens also hidden."""
+        if window is None:
+            return self.mask
+        mask = self._window_masks.get(window)
+        if mask is None:
+            positions = torch.arange(self.max_seq_len, device=self.mask.device)
+            too_old = positions[None, :] <= (self.seq_lens[:, None] - 1 - window)  # [B, S]
+            mask = self.mask.masked_fill(too_old.view(self.mask.shape), float("-inf"))
+            self._window_masks[window] = mask
+        return mask
 
 
 class _Plan:
@@ -313,7 +344,7 @@ class _Plan:
         self.prefills: list[tuple[int, int, int, int]] = []  # (seq, start, end, seq_len)
         self.decode: DecodeBatch | None = None
         self._tables: dict[int, torch.Tensor] = {}
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
         num_seqs = metadata.seq_lens.shape[0]
         num_tokens = metadata.slot_mapping.shape[0]
         block_size = int(metadata.block_size)
@@ -358,13 +389,17 @@ class _Plan:
             self._tables[seq] = tables
         return tables
 
-    def causal_mask(self, seq: int, context_len: int, seq_len: int, device) -> torch.Tensor:
-        """``[L, S]``: new token j (position context_len + j) sees keys 0..context_len + j."""
-        mask = self._masks.get(seq)
+    def causal_mask(self, seq: int, context_len: int, seq_len: int, device, window: int | None = None) -> torch.Tensor:
+        """``[L, S]``: new token j (position context_len + j) sees keys 0..context_len + j,
+        only the last ``window`` of them when a sliding window is given."""
+        mask = self._masks.get((seq, window))
         if mask is None:
             q_pos = torch.arange(context_len, seq_len, device=device)
             k_pos = torch.arange(seq_len, device=device)
-            mask = self._masks[seq] = k_pos[None, :] <= q_pos[:, None]
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
+            self._masks[(seq, window)] = mask
         return mask
 
 

@@ -9,7 +9,10 @@ from pyagent_framework.types import AttentionMetadata
 class AttentionBackend(ABC):
     """Attention over the engine's paged KV cache.
 
-    Built as ``cls(num_heads, head_size, num_kv_heads, scale)`` once per layer.
+    Built as ``cls(num_heads, head_size, num_kv_heads, scale)`` once per layer; a layer
+    with a sliding window adds ``sliding_window=W`` (then a query at position ``p``
+    sees only keys at ``p - W < k <= p``), so a backend without that keyword serves
+    only models without windows.
     ``forward`` first writes ``key``/``value`` (``[num_tokens, num_kv_heads,
     head_size]``) into ``kv_cache`` at ``metadata.slot_mapping``, then returns the
     causal attention output ``[num_tokens, num_heads, head_size]`` of ``query`` over

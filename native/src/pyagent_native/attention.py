@@ -47,5 +47,6 @@ class NativeAttention(TorchAttention):
             self.scale,
             torch.get_num_threads(),
             self.isa,
+            self.sliding_window or 0,
         )
         return out

@@ -55,6 +55,15 @@ CASES = [
         dict(head_dim=24, num_attention_heads=8, rope_parameters=dict(rope_type="linear", rope_theta=1000.0, factor=2.0)),
     ),
     ("mistral", "MistralForCausalLM", "MistralConfig", dict(sliding_window=None, tie_word_embeddings=True)),
+    # Sliding windows shorter than the test sequences: every layer (Mistral), and only the
+    # layers from max_window_layers on (Qwen2, through the config's layer_types).
+    ("mistral-window", "MistralForCausalLM", "MistralConfig", dict(sliding_window=5, tie_word_embeddings=False)),
+    (
+        "qwen2-window",
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, tie_word_embeddings=True),
+    ),
     (
         "qwen2-yarn",
         "Qwen2ForCausalLM",

@@ -91,6 +91,7 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         rms_norm_eps: float,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -105,7 +106,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+        if sliding_window is None:
+            self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+        else:
+            try:
+                self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=sliding_window)
+            except TypeError as exc:
+                raise ValueError(
+                    f"attention backend {attention_backend.__name__} does not take sliding_window, which this "
+                    f"model's config sets ({sliding_window}): {exc}"
+                ) from None
 
     def forward(
         self,
@@ -227,11 +237,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         act = value("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported (only 'silu')")
-        if self.sliding_window is not None:
-            logger.info(
-                "%s: sliding_window=%s is not applied; attention is full (exact up to that length)",
-                type(self).__name__, self.sliding_window,
-            )
+        self.layer_windows = self._layer_windows(self.config)
 
         attention_bias = bool(value("attention_bias", spec.attention_bias))
         qkv_bias = spec.qkv_bias_always or (spec.qkv_bias_from_config and attention_bias)
@@ -244,12 +250,13 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
                 Attention(
                     self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend,
                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
+                    sliding_window=window,
                 ),
                 MLP(self.hidden_size, self.intermediate_size, mlp_bias),
                 self.hidden_size,
                 self.rms_norm_eps,
             )
-            for _ in range(self.num_layers)
+            for window in self.layer_windows
         ]
         self.model = DecoderModel(
             nn.Embedding(self.vocab_size, self.hidden_size), layers, RMSNorm(self.hidden_size, self.rms_norm_eps)
@@ -260,8 +267,29 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         self.requires_grad_(False)  # inference only
 
     def _sliding_window(self, config: Mapping[str, Any]) -> int | None:
-        """The configured sliding window (not applied by this implementation)."""
+        """The configured sliding window, if the architecture has one."""
         return None
+
+    def _window_layers(self, config: Mapping[str, Any]) -> list[bool]:
+        """Which layers use the sliding window when the config has no ``layer_types``."""
+        return [True] * self.num_layers
+
+    def _layer_windows(self, config: Mapping[str, Any]) -> list[int | None]:
+        """Each layer's sliding window (``None``: full attention). A config's
+        ``layer_types`` ("sliding_attention"/"full_attention", as transformers writes
+        it) decides; else the architecture's rule (:meth:`_window_layers`)."""
+        window = self.sliding_window
+        if window is None:
+            return [None] * self.num_layers
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            if len(layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(layer_types)} entries for {self.num_layers} layers")
+            unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+            if unknown:
+                raise ValueError(f"layer_types: unsupported attention type(s) {unknown}")
+            return [window if kind == "sliding_attention" else None for kind in layer_types]
+        return [window if sliding else None for sliding in self._window_layers(config)]
 
     # ------------------------------------------------------------------ engine API
 

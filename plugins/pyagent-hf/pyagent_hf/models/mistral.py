@@ -9,13 +9,9 @@ from .llama import DecoderSpec, LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: no attention or MLP biases.
-
-    ``sliding_window`` (MistralConfig's default is 4096; newer checkpoints set ``null``)
-    is read into ``self.sliding_window`` but **not applied**: attention is always over
-    the whole sequence, so results equal transformers' up to ``sliding_window`` tokens
-    and differ past it. Hosts that care can cap the context length to it.
-    """
+    """Mistral: no attention or MLP biases; every layer attends over a sliding window
+    of ``sliding_window`` tokens (MistralConfig's default is 4096; newer checkpoints set
+    ``null``: full attention)."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         intermediate_size=14336,

@@ -10,8 +10,8 @@ from .llama import DecoderSpec, LlamaForCausalLM
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5: the Llama decoder with q/k/v biases (no o_proj or MLP bias);
-    config defaults of Qwen2Config. A sliding window (``use_sliding_window: true``) is
-    recorded in ``self.sliding_window`` but not applied."""
+    config defaults of Qwen2Config. With ``use_sliding_window: true`` the layers from
+    ``max_window_layers`` on (or those ``layer_types`` names) attend over a sliding window."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=151936,
@@ -29,3 +29,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
             return None
         window = config.get("sliding_window", 4096)
         return None if window is None else int(window)
+
+    def _window_layers(self, config: Mapping[str, Any]) -> list[bool]:
+        first = int(config.get("max_window_layers", 28))
+        return [i >= first for i in range(self.num_layers)]

@@ -11,7 +11,7 @@ from .qwen2 import Qwen2ForCausalLM
 class Qwen3ForCausalLM(Qwen2ForCausalLM):
     """Qwen3 (dense): ``q_norm``/``k_norm`` (RMSNorm over ``head_dim``) on every head
     before RoPE; q/k/v/o bias from ``attention_bias`` (default False); ``head_dim``
-    defaults to 128 as in Qwen3Config. Sliding window as in Qwen2 (not applied)."""
+    defaults to 128 as in Qwen3Config. Sliding window as in Qwen2."""
 
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=151936,
