@@ -61,7 +61,13 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
       if (!fn(args, item, item + 1, scratch)) ok.store(false, std::memory_order_relaxed);
     }
   };
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_items)));
+  // A thread per ~4K key rows at least: a single short sequence is done sooner on the
+  // calling thread than a worker wakes up.
+  int64_t rows = 0;
+  for (int64_t s = 0; s < args.num_seqs; ++s) rows += args.seq_lens[s];
+  rows *= args.num_kv_heads;
+  const int64_t useful = std::max<int64_t>(1, std::min(num_items, rows / 4096));
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, useful));
   ThreadPool::instance().run(threads, [&](int) { worker(); });
   if (!ok.load()) {
     // Find the first offending entry for the message (cheap: only on error).

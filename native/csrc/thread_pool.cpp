@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <chrono>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define PYAGENT_PAUSE() _mm_pause()
@@ -11,10 +13,13 @@
 
 namespace pyagent {
 namespace {
-// Spin this many pauses (tens of microseconds) before sleeping or yielding: long enough
-// to catch the next region of a decode step, short enough not to starve torch's own
-// threads of the core.
+// After a region a worker spins (pause instructions) for a few tens of microseconds,
+// then keeps polling with sched_yield, which hands the core to any other runnable
+// thread (torch's own, for one), for up to kPollTime, then sleeps. The next region of
+// a decode step usually comes within that time, and waking a sleeping thread costs
+// more than a small kernel takes.
 constexpr int kSpinIterations = 1 << 11;
+constexpr std::chrono::microseconds kPollTime{2000};
 }
 
 ThreadPool& ThreadPool::instance() {
@@ -72,6 +77,10 @@ void ThreadPool::worker_loop(int index) {
     while (generation_.load(std::memory_order_acquire) == seen && spins < kSpinIterations) {
       PYAGENT_PAUSE();
       ++spins;
+    }
+    const auto poll_until = std::chrono::steady_clock::now() + kPollTime;
+    while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < poll_until) {
+      std::this_thread::yield();
     }
     const std::function<void(int)>* task;
     {
