@@ -3,17 +3,31 @@
 ``HFTokenizer.from_pretrained(path)`` takes an HF model directory or a ``.gguf`` file
 (transformers converts the tokenizer embedded in the GGUF). Nothing is downloaded:
 transformers is always called with ``local_files_only=True``.
+
+Converting a GGUF's tokenizer takes transformers several seconds, so the result is
+saved (``tokenizer.json`` and friends, no pickles) under the cache directory, keyed by
+a sha256 of the GGUF's tokenizer metadata and the transformers version, and loaded from
+there next time. ``PYAGENT_CACHE_DIR`` sets the directory (default
+``$XDG_CACHE_HOME/pyagent`` or ``~/.cache/pyagent``); ``PYAGENT_CACHE_DIR=off`` turns
+the cache off. A cache that cannot be written or read is skipped, never an error.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pyagent_framework.interfaces import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Files of which at least one makes a directory a tokenizer directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -130,7 +144,7 @@ class HFTokenizer(Tokenizer):
         fields = read_header(p).fields
         if "tokenizer.ggml.tokens" not in fields:
             raise ValueError(f"no tokenizer at {shown!r}: the GGUF file embeds none")
-        hf = cls._auto(str(p.parent), shown, {**options, "gguf_file": p.name})
+        hf = _load_gguf_tokenizer(p, fields, shown, options)
         extra = [
             int(fields[key])
             for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -240,3 +254,56 @@ def _ids(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
+
+
+# --------------------------------------------------------------------------- GGUF cache
+
+
+def cache_dir() -> Path | None:
+    """Where converted tokenizers are kept (``None``: caching is off)."""
+    configured = os.environ.get("PYAGENT_CACHE_DIR")
+    if configured is not None:
+        return None if configured.strip().lower() in ("", "0", "off", "none") else Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pyagent"
+
+
+def gguf_tokenizer_key(fields: dict) -> str:
+    """sha256 of what the conversion depends on: the GGUF's tokenizer metadata, its
+    architecture and the transformers version doing the conversion."""
+    import transformers
+
+    relevant = {k: v for k, v in fields.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+    digest = hashlib.sha256()
+    digest.update(f"transformers {transformers.__version__}\n".encode())
+    digest.update(json.dumps(relevant, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def _load_gguf_tokenizer(p: Path, fields: dict, shown: str, options: dict) -> Any:
+    root = cache_dir()
+    cached = None if root is None else root / "gguf-tokenizers" / gguf_tokenizer_key(fields)
+    if cached is not None and (cached / "tokenizer.json").is_file():
+        try:
+            return HFTokenizer._auto(str(cached), shown, options)
+        except ValueError as exc:
+            logger.warning("ignoring the cached tokenizer at %s: %s", cached, exc)
+    hf = HFTokenizer._auto(str(p.parent), shown, {**options, "gguf_file": p.name})
+    if cached is not None:
+        _store(hf, cached)
+    return hf
+
+
+def _store(hf: Any, target: Path) -> None:
+    """Save into a fresh directory beside ``target``, then rename it into place, so a
+    reader never sees half a cache entry (best effort: failures are logged)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+        try:
+            hf.save_pretrained(str(staging))
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.info("not caching the converted tokenizer at %s: %s", target, exc)
