@@ -80,6 +80,11 @@ def test_bad_engine_options_name_the_field(path, args, field):
     assert (field or "max_num_seqs") in str(info.value)
 
 
+def test_stats_name_the_backends_that_run(path):
+    stats = LLM(path, attention_backend="torch", quantization="none", kv_cache_memory="16MiB").engine.stats()
+    assert (stats["attention_backend"], stats["quantization"]) == ("torch", "none")
+
+
 def test_unknown_backend_lists_the_available_ones(path):
     with pytest.raises(ConfigError, match=r"\(available: [^)]*\btorch\b"):
         LLM(path, attention_backend="flash")

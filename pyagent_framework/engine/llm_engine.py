@@ -59,12 +59,16 @@ class LLMEngine:
         weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
         self.tokenizer = self._load_tokenizer(config)
+        # "auto" / unset resolved to the names that run (native ones when installed).
+        self.attention_backend = loader.choose_attention_backend(config.attention_backend)
+        self.quantization = loader.choose_quantization(config.quantization, config.dtype)
+        logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
         self.model = loader.build_model(
             self.model_path,
             self.model_config,
             weight_format=weight_format,
-            attention_backend=config.attention_backend,
-            quantization=config.quantization,
+            attention_backend=self.attention_backend,
+            quantization=self.quantization,
             dtype=config.dtype,
         )
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
@@ -365,6 +369,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "attention_backend": self.attention_backend,
+            "quantization": self.quantization,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks": self.pool.num_blocks,
