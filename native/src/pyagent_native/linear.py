@@ -5,7 +5,7 @@ A decode step multiplies one row (or a few) by every weight matrix, so it is bou
 how fast the weights stream from memory. On this kind of CPU torch's GEMV reads them
 at about half the machine's bandwidth; the native kernel streams each weight once,
 four output features at a time, with every input row applied while they are in L1,
-and measured about 2x faster for 1-16 rows (``benchmarks/linear.py``). Past
+and measured 1.3-3x faster for 1-16 rows (``benchmarks/native_kernels.py``). Past
 ``NativeLinear.max_rows`` rows the work is compute-bound and torch's GEMM wins, so
 larger batches (prefill) go to ``torch.nn.functional.linear``.
 
@@ -22,7 +22,7 @@ from pyagent_framework.interfaces import Quantizer
 
 from pyagent_native import _core
 
-# Output heads wider than this are computed in slices of LOGITS_SLICE features when
+# Output heads wider than _WIDE features are computed in slices of _SLICE features when
 # torch does the work: each slice's output stays in cache (same numbers, faster).
 _WIDE = 8192
 _SLICE = 2048
