@@ -51,14 +51,27 @@ def test_default_model_is_the_embedded_smollm2(llm):
     assert llm.engine.model_config["num_hidden_layers"] == 30
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
-    assert len({len(p) for p in prompts}) == len(prompts)  # 8 different lengths
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
-    for out, (tokens, logprobs) in zip(outputs, reference):
+def _check(outputs, reference):
+    for out, (tokens, logprobs) in zip(outputs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.token_ids == tokens
         ours = [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]
         assert ours == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
+    assert len({len(p) for p in prompts}) == len(prompts)  # 8 different lengths
+    _check(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference)
+
+
+def test_greedy_matches_transformers_from_cached_prefixes(llm, prompts, reference):
+    """The chat template's system prompt is a prefix of every prompt: after one request
+    has filed it, the others start from its cached blocks and decode the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
+    _check(llm.generate(prompts[:1], params), reference[:1])
+    hits = llm.engine.pool.prefix_hits
+    _check(llm.generate(prompts, params), reference)
+    assert llm.engine.pool.prefix_hits >= hits + 16 * (len(prompts) - 1)
 
 
 def test_answers_a_question(llm):

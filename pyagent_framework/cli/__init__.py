@@ -93,7 +93,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if field.name in CLI_SHADOWED:
             continue
         flag = "--" + field.name.replace("_", "-")
-        group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))
+        if field.type in (bool, "bool"):  # --enable-x / --no-enable-x
+            group.add_argument(flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=field.metadata.get("help"))
+        else:
+            group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))
 
 
 def engine_args(args: argparse.Namespace) -> dict:

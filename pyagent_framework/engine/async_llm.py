@@ -42,10 +42,16 @@ class AsyncLLM:
         return self.error is None and self._thread.is_alive()
 
     async def add_request(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request (raising InvalidRequestError at once for bad input) and
-        return an async iterator of its outputs; leaving the iteration early aborts it."""
+        return an async iterator of its outputs; leaving the iteration early aborts it.
+        ``cache_salt``: see :meth:`LLMEngine.add_request`."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -54,7 +60,7 @@ class AsyncLLM:
 
         def add() -> None:
             with self._lock:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 self._streams[request_id] = (loop, queue)
             self._wake.set()
 

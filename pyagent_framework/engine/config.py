@@ -65,6 +65,8 @@ class EngineConfig:
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive, metadata={"help": "token budget of one step (chunked prefill)"})
     max_model_len: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "context window (default: the model's)"})
     chat_template: str | None = attrs.field(default=None, metadata={"help": "chat template registry name (default: the tokenizer's)"})
+    enable_prefix_caching: bool = attrs.field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before (on by default)"})
+    eviction_policy: str = attrs.field(default="lru", metadata={"help": "which cached KV block to evict first (registry name, e.g. lru)"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
 
@@ -78,6 +80,23 @@ class EngineConfig:
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _structure_bool(value: Any, _type: Any) -> bool:
+    """Booleans from flags, files and environment variables: a string must say so."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {value!r} (use true/false, 1/0, yes/no, on/off)")
+
+
+_converter.register_structure_hook(bool, _structure_bool)
 
 
 def field_names() -> list[str]:

@@ -30,11 +30,16 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Outputs for every prompt, in the order given. A single prompt may be a string
-        or a list of token ids."""
-        ids = self._submit(prompts, params)
+        or a list of token ids. ``cache_salt`` keeps these prompts' cached KV blocks
+        apart from requests with another salt (or none)."""
+        ids = self._submit(prompts, params, cache_salt)
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
         return [finals[request_id] for request_id in ids]
 
@@ -45,7 +50,7 @@ class LLM:
         submitted when iteration starts; stopping early aborts the rest."""
         yield from self._run(self._submit(prompts, params))
 
-    def _submit(self, prompts, params) -> list[str]:
+    def _submit(self, prompts, params, cache_salt: str | None = None) -> list[str]:
         """Validate and queue every prompt, or none of them."""
         prompts = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(prompts))
@@ -53,7 +58,7 @@ class LLM:
         added = []
         try:
             for request_id, prompt, p in zip(ids, prompts, param_list):
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
                 added.append(request_id)
         except Exception:
             for request_id in added:

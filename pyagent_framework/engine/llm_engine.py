@@ -27,6 +27,8 @@ from pyagent_framework.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("pyagent_framework.engine")
 
+MAX_CACHE_SALT = 256  # characters
+
 
 @dataclass
 class Request:
@@ -74,7 +76,12 @@ class LLMEngine:
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = self._max_model_len(config)
         self.kv_caches, num_blocks = self._allocate_kv_cache(config)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        policy = None
+        if config.enable_prefix_caching:
+            policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
+            policy = policy_cls(num_blocks)
+        # Blocks of one engine hold one model's keys/values; the key still marks whose.
+        self.pool = BlockPool(num_blocks, config.block_size, eviction_policy=policy, model_key=self.model_path)
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
@@ -163,10 +170,17 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the
-        bad field and leaves the engine unchanged."""
+        bad field and leaves the engine unchanged. Requests share cached prefix blocks
+        only when their ``cache_salt`` is equal (``None`` included), so a tenant's
+        salt keeps its prompts' KV apart from everyone else's."""
         params = (params or SamplingParams()).validate(self.vocab_size)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", param="cache_salt"
+            )
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
@@ -189,6 +203,7 @@ class LLMEngine:
                 params=params,
                 arrival_time=now,
                 max_total_tokens=self.max_model_len,
+                cache_salt=cache_salt,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + index) % 2**63)
@@ -245,6 +260,7 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
+            self.pool.cache_full_blocks(seq)
         now = time.time()
         self._record_prompt_logprobs(logits)
         if logits.sample_seqs:
@@ -377,4 +393,6 @@ class LLMEngine:
             "num_free_kv_blocks": self.pool.num_free_blocks,
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "num_preemptions": self.num_preemptions,
+            "prefix_caching": self.pool.caching,
+            **self.pool.stats(),
         }

@@ -3,7 +3,8 @@
 Each step gets a token budget (``max_num_batched_tokens``). Running sequences are
 served first, in order: a decoding sequence needs one token, a sequence still in
 prefill gets as much of its remaining prompt as the budget allows (chunked prefill).
-Waiting sequences join while budget, ``max_num_seqs`` and free blocks allow. When
+Waiting sequences join while budget, ``max_num_seqs`` and free blocks allow, starting
+after the longest prefix the block pool has cached for them. When
 blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
 are freed and it waits to be recomputed from scratch (prompt plus what it generated).
 """
@@ -80,8 +81,11 @@ class Scheduler:
         if batch.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                self.pool.match_prefix(seq)  # cached prefix blocks count as computed
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.pool.allocate(seq, num_new):
+                if not self.pool.allocate(seq, seq.num_computed_tokens + num_new):
+                    self.pool.free(seq)  # give shared prefix blocks back; retry next step
+                    seq.num_computed_tokens = 0
                     break
                 self.waiting.pop(0)
                 seq.status = SequenceStatus.RUNNING

@@ -42,6 +42,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full, computed blocks
+    cache_salt: str | None = None  # prefix-cache tenant: blocks are shared only within one salt
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
     first_token_time: float | None = None
