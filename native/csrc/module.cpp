@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "prefix.h"
 
 namespace py = pybind11;
 
@@ -100,6 +101,23 @@ void linear(py::array out, py::array x, py::array weight, py::object bias, int n
   pyagent::linear(a, num_threads, isa);
 }
 
+py::list hash_blocks(py::bytes parent, py::array tokens, int64_t block_size) {
+  const std::string parent_bytes = parent;
+  if (parent_bytes.size() != 32) throw py::value_error("parent must be a 32-byte sha256 digest");
+  if (block_size <= 0) throw py::value_error("block_size must be positive");
+  const int64_t* ids = checked<int64_t>(tokens, "tokens", 1);
+  pyagent::Digest root;
+  std::copy(parent_bytes.begin(), parent_bytes.end(), root.begin());
+  std::vector<pyagent::Digest> digests;
+  {
+    py::gil_scoped_release release;
+    digests = pyagent::hash_blocks(root, ids, tokens.shape(0), block_size);
+  }
+  py::list out;
+  for (const auto& d : digests) out.append(py::bytes(reinterpret_cast<const char*>(d.data()), d.size()));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -112,4 +130,22 @@ PYBIND11_MODULE(_core, m) {
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
+  m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
+        "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");
+  py::class_<pyagent::LRUPolicy>(m, "LRUPolicy",
+                                 "Eviction policy 'native-lru': least recently released first (twin of 'lru').")
+      .def(py::init<int64_t>(), py::arg("capacity") = 0)
+      .def("insert", &pyagent::LRUPolicy::insert, py::arg("block"))
+      .def("touch", &pyagent::LRUPolicy::touch, py::arg("block"))
+      .def("release", &pyagent::LRUPolicy::release, py::arg("block"))
+      .def("remove", &pyagent::LRUPolicy::remove, py::arg("block"))
+      .def("evict", [](pyagent::LRUPolicy& self) {
+        try {
+          return self.evict();
+        } catch (const std::out_of_range& exc) {
+          throw py::key_error(exc.what());  // LookupError, as the interface asks
+        }
+      })
+      .def("__len__", &pyagent::LRUPolicy::size)
+      .def_property_readonly("capacity", &pyagent::LRUPolicy::capacity);
 }

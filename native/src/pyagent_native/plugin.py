@@ -32,7 +32,7 @@ def core_available() -> bool:
             _warned = True
             warnings.warn(
                 f"pyagent-native: the compiled core did not import ({_core_error}); "
-                "its entries (attention backend and quantizer 'native') are unavailable",
+                "its entries (attention backend and quantizer 'native', eviction policy 'native-lru') are unavailable",
                 PluginWarning,
                 stacklevel=2,
             )
@@ -59,4 +59,15 @@ def pyagent_register_quantizers(register):
         "native",
         "pyagent_native.linear:NativeQuantizer",
         description="unquantized float32; decode-sized matmuls (<= 32 rows) streamed by a C++ kernel (CPU)",
+    )
+
+
+@hookimpl
+def pyagent_register_eviction_policies(register):
+    if not core_available():
+        return
+    register(
+        "native-lru",
+        "pyagent_native._core:LRUPolicy",
+        description="C++ twin of 'lru' (least recently released first); same victims, O(1)",
     )
