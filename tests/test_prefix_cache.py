@@ -273,3 +273,30 @@ def test_bad_cache_salt_is_refused_and_the_engine_keeps_serving(llama):
 def test_unknown_eviction_policy_names_the_option(llama):
     with pytest.raises(ConfigError, match=r"eviction_policy.*\(available: [^)]*\blru\b"):
         LLM(llama, eviction_policy="mru-typo")
+
+
+# --------------------------------------------------------------------------- xxh3_128
+
+
+def test_xxh3_128_opt_in_hashes_and_chains_apart_from_sha256():
+    xxhash = pytest.importorskip("xxhash")
+    parent = root_hash("model", None, "xxh3_128")
+    assert len(parent) == 16 and parent != root_hash("model", None)[:16]
+    want = xxhash.xxh3_128(parent + struct.pack("<2q", 3, 4)).digest()
+    assert block_hash(parent, [3, 4], "xxh3_128") == want
+    pool = BlockPool(8, BS, eviction_policy=LRUPolicy(8), model_key="m", hash_algorithm="xxh3_128")
+    compute(pool, make_seq(range(9)))
+    assert pool.match_prefix(make_seq(range(9))) == 8
+
+
+def test_engine_with_xxh3_128_and_unknown_hash(llama, shared_prompts):
+    pytest.importorskip("xxhash")
+    reference = hf_model(llama)
+    expected = [hf_greedy(reference, p, GREEDY.max_tokens) for p in shared_prompts[:3]]
+    llm = LLM(llama, prefix_cache_hash="xxh3_128", kv_cache_memory="64MiB")
+    assert_same(greedy(llm, shared_prompts[:1]), expected[:1])
+    assert_same(greedy(llm, shared_prompts[:3]), expected)
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
+    with pytest.raises(ConfigError) as info:
+        LLM(llama, prefix_cache_hash="md5", kv_cache_memory="64MiB")
+    assert info.value.field == "prefix_cache_hash" and "xxh3_128" in str(info.value)

@@ -43,6 +43,11 @@ def parse_size(value: int | str) -> int:
     return size
 
 
+def _one_of(attribute, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{attribute.name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 def _positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -67,6 +72,7 @@ class EngineConfig:
     chat_template: str | None = attrs.field(default=None, metadata={"help": "chat template registry name (default: the tokenizer's)"})
     enable_prefix_caching: bool = attrs.field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before (on by default)"})
     eviction_policy: str = attrs.field(default="lru", metadata={"help": "which cached KV block to evict first (registry name, e.g. lru)"})
+    prefix_cache_hash: str = attrs.field(default="sha256", validator=lambda _, a, v: _one_of(a, v, ("sha256", "xxh3_128")), metadata={"help": "prefix-cache block hash: sha256 (default) or xxh3_128 (faster, needs xxhash)"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
 
@@ -154,6 +160,10 @@ def _leaf_errors(exc: BaseException) -> list[tuple[str | None, BaseException]]:
         match = re.search(r"attribute '?(\w+)'?|field '?(\w+)'?", str(note))
         if match:
             field = match.group(1) or match.group(2)
+    if field is None:  # our validators start their message with the field's name
+        match = re.match(r"(\w+) must\b", str(exc))
+        if match and match.group(1) in field_names():
+            field = match.group(1)
     return [(field, exc)]
 
 

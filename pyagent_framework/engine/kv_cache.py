@@ -5,9 +5,9 @@ Blocks are allocated as tokens are scheduled, so a sequence never holds more blo
 than ``ceil(computed_tokens / block_size)``.
 
 Prefix caching: once every token of a sequence's block has been computed, the block
-is filed under a chained content hash (sha256 over the parent block's hash and the
-block's token ids; the chain's root mixes in the model and the request's
-``cache_salt``). A new sequence starts from the longest run of its prompt's full
+is filed under a chained content hash (sha256 by default, ``xxh3_128`` opt-in, over
+the parent block's hash and the block's token ids; the chain's root mixes in the hash
+name, the model and the request's ``cache_salt``). A new sequence starts from the longest run of its prompt's full
 blocks found filed, sharing them (reference counts) instead of recomputing them; a hit
 is confirmed against the block's token ids, never taken on the hash alone. A released
 block whose content is filed stays in the cache, handed to the eviction policy, until
@@ -24,7 +24,21 @@ from collections import deque
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import EvictionPolicy
 
-_HASH_DOMAIN = b"pyagent-framework kv-block sha256 v1"
+_HASH_DOMAIN = b"pyagent-framework kv-block v1"
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+
+
+def _hasher(algorithm: str):
+    """A fresh hash object for ``algorithm`` (``xxh3_128`` needs the xxhash package)."""
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            raise ValueError("prefix_cache_hash 'xxh3_128' needs the xxhash package (pip install xxhash)") from None
+        return xxhash.xxh3_128()
+    raise ValueError(f"prefix_cache_hash must be one of {', '.join(HASH_ALGORITHMS)}, got {algorithm!r}")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -36,17 +50,20 @@ def _encode(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data  # length-prefixed: no two keys collide by concatenation
 
 
-def root_hash(model_key: str, cache_salt: str | None) -> bytes:
-    """Where a sequence's hash chain starts: the model and the tenant's salt."""
-    digest = hashlib.sha256(_HASH_DOMAIN)
+def root_hash(model_key: str, cache_salt: str | None, algorithm: str = "sha256") -> bytes:
+    """Where a sequence's hash chain starts: the hash, the model and the tenant's salt."""
+    digest = _hasher(algorithm)
+    digest.update(_HASH_DOMAIN)
+    digest.update(_encode(algorithm))
     digest.update(_encode(model_key))
     digest.update(b"\x00" if cache_salt is None else b"\x01" + _encode(cache_salt))
     return digest.digest()
 
 
-def block_hash(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
-    """sha256(parent hash, token ids as little-endian int64)."""
-    digest = hashlib.sha256(parent)
+def block_hash(parent: bytes, token_ids: tuple[int, ...] | list[int], algorithm: str = "sha256") -> bytes:
+    """hash(parent hash, token ids as little-endian int64)."""
+    digest = _hasher(algorithm)
+    digest.update(parent)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()
 
@@ -59,14 +76,17 @@ class BlockPool:
         *,
         eviction_policy: EvictionPolicy | None = None,
         model_key: str = "",
+        hash_algorithm: str = "sha256",
     ) -> None:
         """``eviction_policy`` turns prefix caching on (``None``: off)."""
+        _hasher(hash_algorithm)  # unknown name or missing package: ValueError now, not mid-step
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = eviction_policy
         self.model_key = model_key
+        self.hash_algorithm = hash_algorithm
         # Blocks that hold nothing worth keeping, in reuse order.
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
@@ -148,12 +168,12 @@ class BlockPool:
         bs = self.block_size
         eligible = (seq.num_tokens - 1) // bs
         self.prefix_queries += eligible * bs
-        parent = root_hash(self.model_key, seq.cache_salt)
+        parent = root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
         hashes: list[bytes] = []
         blocks: list[int] = []
         for i in range(eligible):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            digest = block_hash(parent, tokens)
+            digest = block_hash(parent, tokens, self.hash_algorithm)
             block = self._by_hash.get(digest)
             if block is None or self._tokens_of[block] != tokens:
                 break
@@ -176,10 +196,10 @@ class BlockPool:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
-        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt)
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            digest = block_hash(parent, tokens)
+            digest = block_hash(parent, tokens, self.hash_algorithm)
             seq.block_hashes.append(digest)
             parent = digest
             block = seq.block_ids[i]

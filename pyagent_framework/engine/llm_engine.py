@@ -81,7 +81,16 @@ class LLMEngine:
             policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
             policy = policy_cls(num_blocks)
         # Blocks of one engine hold one model's keys/values; the key still marks whose.
-        self.pool = BlockPool(num_blocks, config.block_size, eviction_policy=policy, model_key=self.model_path)
+        try:
+            self.pool = BlockPool(
+                num_blocks,
+                config.block_size,
+                eviction_policy=policy,
+                model_key=self.model_path,
+                hash_algorithm=config.prefix_cache_hash,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc), field="prefix_cache_hash") from None
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
