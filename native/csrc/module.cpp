@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "policies.h"
 #include "prefix.h"
 
 namespace py = pybind11;
@@ -118,6 +119,29 @@ py::list hash_blocks(py::bytes parent, py::array tokens, int64_t block_size) {
   return out;
 }
 
+// The EvictionPolicy interface of a native policy: ctor(capacity), the five events,
+// __len__ and capacity; evict() raises KeyError (a LookupError) when nothing is evictable.
+template <typename Policy>
+py::class_<Policy> bind_policy(py::module_& m, const char* name, const char* doc) {
+  py::class_<Policy> cls(m, name, doc);
+  cls.def(py::init<int64_t>(), py::arg("capacity") = 0)
+      .def("insert", &Policy::insert, py::arg("block"))
+      .def("touch", &Policy::touch, py::arg("block"))
+      .def("release", &Policy::release, py::arg("block"))
+      .def("remove", &Policy::remove, py::arg("block"))
+      .def("evict",
+           [](Policy& self) {
+             try {
+               return self.evict();
+             } catch (const std::out_of_range& exc) {
+               throw py::key_error(exc.what());  // LookupError, as the interface asks
+             }
+           })
+      .def("__len__", &Policy::size)
+      .def_property_readonly("capacity", &Policy::capacity);
+  return cls;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -132,20 +156,46 @@ PYBIND11_MODULE(_core, m) {
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
         "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");
-  py::class_<pyagent::LRUPolicy>(m, "LRUPolicy",
-                                 "Eviction policy 'native-lru': least recently released first (twin of 'lru').")
-      .def(py::init<int64_t>(), py::arg("capacity") = 0)
-      .def("insert", &pyagent::LRUPolicy::insert, py::arg("block"))
-      .def("touch", &pyagent::LRUPolicy::touch, py::arg("block"))
-      .def("release", &pyagent::LRUPolicy::release, py::arg("block"))
-      .def("remove", &pyagent::LRUPolicy::remove, py::arg("block"))
-      .def("evict", [](pyagent::LRUPolicy& self) {
-        try {
-          return self.evict();
-        } catch (const std::out_of_range& exc) {
-          throw py::key_error(exc.what());  // LookupError, as the interface asks
-        }
+  bind_policy<pyagent::LRUPolicy>(m, "LRUPolicy",
+                                  "Eviction policy 'native-lru': least recently released first (twin of 'lru').");
+  bind_policy<pyagent::ARCPolicy>(
+      m, "ARCPolicy",
+      "Eviction policy 'native-arc': adaptive replacement, T1/T2 with count-only ghosts and p adapted on "
+      "rescues (twin of pyagent-eviction's 'arc').")
+      .def_property_readonly("p", &pyagent::ARCPolicy::p)
+      .def_property_readonly("t1_size", &pyagent::ARCPolicy::t1_size)
+      .def_property_readonly("t2_size", &pyagent::ARCPolicy::t2_size)
+      .def_property_readonly("ghost_sizes", [](const pyagent::ARCPolicy& self) {
+        const auto g = self.ghost_sizes();
+        return py::make_tuple(g.first, g.second);
       })
-      .def("__len__", &pyagent::LRUPolicy::size)
-      .def_property_readonly("capacity", &pyagent::LRUPolicy::capacity);
+      .def(
+          "list_of",
+          [](const pyagent::ARCPolicy& self, int64_t block) -> py::object {
+            const int where = self.list_of(block);
+            if (where < 0) return py::none();
+            return py::str(where == pyagent::ARCPolicy::T1 ? "T1" : "T2");
+          },
+          py::arg("block"), "'T1', 'T2' or None (not resident).");
+  bind_policy<pyagent::S3FIFOPolicy>(
+      m, "S3FIFOPolicy",
+      "Eviction policy 'native-s3fifo': small probation FIFO, main FIFO with second chances, no ghost queue "
+      "(twin of pyagent-eviction's 's3fifo').")
+      .def_property_readonly("small_target", &pyagent::S3FIFOPolicy::small_target)
+      .def(
+          "queue_of",
+          [](const pyagent::S3FIFOPolicy& self, int64_t block) -> py::object {
+            const int q = self.queue_of(block);
+            if (q < 0) return py::none();
+            return py::str(q == pyagent::S3FIFOPolicy::SMALL ? "small" : "main");
+          },
+          py::arg("block"), "'small', 'main' or None (not tracked).")
+      .def(
+          "freq",
+          [](const pyagent::S3FIFOPolicy& self, int64_t block) -> py::object {
+            const int f = self.freq(block);
+            if (f < 0) return py::none();
+            return py::int_(f);
+          },
+          py::arg("block"), "The block's use counter (0..3), or None (not tracked).");
 }

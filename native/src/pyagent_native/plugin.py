@@ -32,7 +32,8 @@ def core_available() -> bool:
             _warned = True
             warnings.warn(
                 f"pyagent-native: the compiled core did not import ({_core_error}); "
-                "its entries (attention backend and quantizer 'native', eviction policy 'native-lru') are unavailable",
+                "its entries (attention backend and quantizer 'native', eviction policies 'native-lru', "
+                "'native-arc' and 'native-s3fifo') are unavailable",
                 PluginWarning,
                 stacklevel=2,
             )
@@ -70,4 +71,16 @@ def pyagent_register_eviction_policies(register):
         "native-lru",
         "pyagent_native._core:LRUPolicy",
         description="C++ twin of 'lru' (least recently released first); same victims, O(1)",
+    )
+    register(
+        "native-arc",
+        "pyagent_native._core:ARCPolicy",
+        description="C++ twin of 'arc' from pyagent-eviction (adaptive T1/T2, p moved on rescues); same victims, O(1)",
+    )
+    register(
+        "native-s3fifo",
+        "pyagent_native._core:S3FIFOPolicy",
+        description=(
+            "C++ twin of 's3fifo' from pyagent-eviction (small + main FIFO, capped counters); same victims, O(log n)"
+        ),
     )
