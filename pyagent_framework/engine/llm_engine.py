@@ -65,6 +65,10 @@ class LLMEngine:
         self.attention_backend = loader.choose_attention_backend(config.attention_backend)
         self.quantization = loader.choose_quantization(config.quantization, config.dtype)
         logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
+        # Checked before the weights load, so a misspelt name fails fast.
+        policy_cls = None
+        if config.enable_prefix_caching:
+            policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
         self.model = loader.build_model(
             self.model_path,
             self.model_config,
@@ -76,10 +80,7 @@ class LLMEngine:
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = self._max_model_len(config)
         self.kv_caches, num_blocks = self._allocate_kv_cache(config)
-        policy = None
-        if config.enable_prefix_caching:
-            policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
-            policy = policy_cls(num_blocks)
+        policy = None if policy_cls is None else policy_cls(num_blocks)
         # Blocks of one engine hold one model's keys/values; the key still marks whose.
         try:
             self.pool = BlockPool(
