@@ -57,7 +57,7 @@ void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* t
   const int64_t block_stride = a.block_size * token_stride;
   const int64_t num_used = (len + a.block_size - 1) / a.block_size;
   // Keys first..len-1 are visible (all of them without a sliding window).
-  const int64_t first = a.sliding_window > 0 && len > a.sliding_window ? len - a.sliding_window : 0;
+  const int64_t first = first_visible_token(len, a.sliding_window);
   const int64_t count = len - first;
   const float* q = a.query + (seq * a.num_heads + kvh * group) * D;
   float* out = a.out + (seq * a.num_heads + kvh * group) * D;
@@ -134,7 +134,7 @@ bool paged_decode_items(const DecodeArgs& a, int64_t begin, int64_t end, std::ve
       continue;
     }
     const int64_t num_used = (len + a.block_size - 1) / a.block_size;
-    const int64_t first = a.sliding_window > 0 && len > a.sliding_window ? len - a.sliding_window : 0;
+    const int64_t first = first_visible_token(len, a.sliding_window);
     bool item_ok = true;  // every block the item reads lies in the pool
     for (int64_t b = first / a.block_size; b < num_used; ++b) {
       if (table[b] < 0 || table[b] >= a.num_blocks) item_ok = false;

@@ -74,7 +74,7 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
     for (int64_t s = 0; s < args.num_seqs; ++s) {
       const int64_t len = args.seq_lens[s];
       const int64_t used = (len + args.block_size - 1) / args.block_size;
-      const int64_t first = args.sliding_window > 0 && len > args.sliding_window ? len - args.sliding_window : 0;
+      const int64_t first = first_visible_token(len, args.sliding_window);
       for (int64_t b = first / args.block_size; b < used; ++b) {
         const int32_t id = args.block_tables[s * args.table_stride + b];
         if (id < 0 || id >= args.num_blocks) {

@@ -43,6 +43,13 @@ struct LinearArgs {
   int64_t K;
 };
 
+// The first key a decode query of a sequence of `len` tokens sees: 0 without a sliding
+// window, else the oldest of the window's last `window` tokens.
+// static: each per-ISA object keeps its own copy (no cross-ISA ODR merge).
+static inline int64_t first_visible_token(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
 // Work item i is (sequence i / num_kv_heads, key/value head i % num_kv_heads).
 // Returns false (and leaves the item's output unspecified) when a block id the item
 // must read is outside [0, num_blocks); the caller reports the error.

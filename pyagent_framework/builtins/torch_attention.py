@@ -40,6 +40,7 @@ Two things the caller must know:
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -300,7 +301,8 @@ class DecodeBatch:
       blocks), contiguous; ``n`` covers ``max_seq_len``;
     - ``tables`` (int64, padding replaced by block 0) and ``mask`` (``[B, 1, 1,
       max_seq_len]`` additive, ``-inf`` past each length): the torch path's gather
-      indices and mask.
+      indices and mask, built on first use (a kernel that reads the block tables
+      itself never pays for them).
     """
 
     def __init__(self, rows, tables, seq_lens, max_seq_len, block_size, device) -> None:
@@ -310,14 +312,20 @@ class DecodeBatch:
         num_blocks = -(-self.max_seq_len // block_size)
         self.block_tables = tables[:, :num_blocks].to(device=device, dtype=torch.int32).contiguous()
         self.seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
+        self._window_masks: dict[int, torch.Tensor] = {}
+
+    @functools.cached_property
+    def tables(self) -> torch.Tensor:
         # Padding (-1) reads block 0; the mask hides it.
-        self.tables = self.block_tables.long().clamp_(min=0)
-        positions = torch.arange(self.max_seq_len, device=device)
+        return self.block_tables.long().clamp_(min=0)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        positions = torch.arange(self.max_seq_len, device=self.seq_lens.device)
         visible = positions[None, :] < self.seq_lens[:, None]  # [B, S]
         # Additive float mask, built once per step (SDPA would convert a bool mask per layer).
-        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-        self.mask = mask.view(mask.shape[0], 1, 1, self.max_seq_len)
-        self._window_masks: dict[int, torch.Tensor] = {}
+        mask = torch.zeros(visible.shape, device=self.seq_lens.device).masked_fill_(~visible, float("-inf"))
+        return mask.view(mask.shape[0], 1, 1, self.max_seq_len)
 
     def window_mask(self, window: int | None) -> torch.Tensor:
         """``mask`` with the keys older than ``window`` tokens also hidden."""

@@ -196,6 +196,8 @@ class BlockPool:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
+        if full <= len(seq.block_hashes):
+            return  # nothing new to file (most decode steps)
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
