@@ -5,7 +5,6 @@ including under evictions, preemption and chunked prefill."""
 from __future__ import annotations
 
 import hashlib
-import random
 import struct
 
 import pytest
@@ -17,7 +16,7 @@ from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_cache import BlockPool, block_hash, root_hash
 from pyagent_framework.engine.params import SamplingParams as Params
 from pyagent_framework.engine.sequence import Sequence
-from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, shared_prefix_prompts, tiny_checkpoint
 
 BS = 4
 
@@ -202,12 +201,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shared_prompts():
-    """Prompts sharing prefixes of 40 and 23 tokens (several whole blocks), and one stranger."""
-    rng = random.Random(3)
-    system = [rng.randrange(2, 300) for _ in range(40)]
-    other = [rng.randrange(2, 300) for _ in range(23)]
-    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 5, 9, 14)]
-    return [system + t for t in tails] + [other + t for t in tails[:2]] + [[rng.randrange(2, 300) for _ in range(30)]]
+    return shared_prefix_prompts()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0)

@@ -105,3 +105,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Prompts for prefix-cache tests: four sharing a 40-token prefix, two sharing a
+    23-token one (several whole blocks each), and one stranger."""
+    import random
+
+    rng = random.Random(3)
+    system = [rng.randrange(2, 300) for _ in range(40)]
+    other = [rng.randrange(2, 300) for _ in range(23)]
+    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 5, 9, 14)]
+    return [system + t for t in tails] + [other + t for t in tails[:2]] + [[rng.randrange(2, 300) for _ in range(30)]]

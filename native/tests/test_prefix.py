@@ -74,22 +74,6 @@ def test_native_lru_picks_the_victims_of_lru(ops):
         assert len(native) == len(python)
 
 
-def test_native_lru_is_registered_and_serves_the_engine(tmp_path):
-    from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
-
-    entry = registries.eviction_policies.get("native-lru")
-    assert entry.provider.distribution == "pyagent-native"
-    assert registries.eviction_policies.load("native-lru") is _core.LRUPolicy
-    path = tiny_checkpoint("llama", tmp_path)
-    llm = LLM(path, eviction_policy="native-lru", num_kv_blocks=20, block_size=4, max_model_len=80)
-    prompts = [[7] * 30 + [i] for i in range(2, 8)] + [[9] * 25]
-    reference = hf_model(path)
-    for out, prompt in zip(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6)), prompts):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6)[0]
-    stats = llm.engine.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_evictions"] > 0
-
-
 # ------------------------------------------------------------------ native-arc, native-s3fifo
 
 # name of the Python policy -> (its module in pyagent-eviction, class name, the C++ twin)
@@ -224,21 +208,30 @@ def test_native_s3fifo_small_target_is_the_python_one():
         assert _core.S3FIFOPolicy(capacity).small_target == cls(capacity).small_target, capacity
 
 
-@pytest.mark.parametrize("name", ["native-arc", "native-s3fifo"])
+# Every native policy: its class and what its description names as its twin.
+NATIVE = {
+    "native-lru": (_core.LRUPolicy, "'lru'"),
+    "native-arc": (_core.ARCPolicy, "pyagent-eviction"),
+    "native-s3fifo": (_core.S3FIFOPolicy, "pyagent-eviction"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
 def test_native_twins_are_registered(name):
+    cls, twin = NATIVE[name]
     entry = registries.eviction_policies.get(name)
     assert entry.provider.distribution == "pyagent-native"
-    assert "pyagent-eviction" in entry.description
-    assert registries.eviction_policies.load(name) is TWINS[name.removeprefix("native-")][2]
+    assert twin in entry.description
+    assert registries.eviction_policies.load(name) is cls
 
 
-@pytest.mark.parametrize("name", ["native-arc", "native-s3fifo"])
+@pytest.mark.parametrize("name", sorted(NATIVE))
 def test_native_twin_serves_the_engine(name, tmp_path):
     from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
 
     path = tiny_checkpoint("llama", tmp_path)
     llm = LLM(path, eviction_policy=name, num_kv_blocks=20, block_size=4, max_model_len=80)
-    assert type(llm.engine.pool.policy) is TWINS[name.removeprefix("native-")][2]
+    assert type(llm.engine.pool.policy) is NATIVE[name][0]
     prompts = [[7] * 30 + [i] for i in range(2, 8)] + [[9] * 25]
     reference = hf_model(path)
     for out, prompt in zip(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6)), prompts):

@@ -3,12 +3,10 @@ evictions; greedy outputs stay identical to transformers'."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from pyagent_framework import LLM, SamplingParams
-from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
+from tests.tiny_models import hf_greedy, hf_model, shared_prefix_prompts, tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 TINY_POOL = {"num_kv_blocks": 20, "block_size": 4, "max_model_len": 80}
@@ -21,12 +19,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    """Prompts sharing prefixes of 40 and 23 tokens (several whole blocks), and one stranger."""
-    rng = random.Random(3)
-    system = [rng.randrange(2, 300) for _ in range(40)]
-    other = [rng.randrange(2, 300) for _ in range(23)]
-    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 5, 9, 14)]
-    return [system + t for t in tails] + [other + t for t in tails[:2]] + [[rng.randrange(2, 300) for _ in range(30)]]
+    return shared_prefix_prompts()
 
 
 @pytest.fixture(scope="module")
