@@ -4,10 +4,12 @@ the engine loop runs in its own thread, off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections import deque
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from pyagent_framework.engine.llm_engine import LLMEngine
@@ -21,12 +23,62 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served."""
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Closing it (``aclose()``, ``async with contextlib.aclosing(...)``, or leaving an
+    ``async for`` through a cancelled task) before the request finishes aborts it in
+    the engine, whether or not iteration ever started.
+    """
+
+    def __init__(self, owner: "AsyncLLM", request_id: str, queue: asyncio.Queue) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the caller is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (safe to call again)."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort_nowait(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 class AsyncLLM:
+    """Runs an :class:`LLMEngine` in its own thread for asyncio callers.
+
+    Adds and aborts are queued to the engine thread, which applies them (adds first)
+    between steps; so an abort always finds the request it names, even when its
+    caller was cancelled while the add was still waiting.
+    """
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()  # guards the engine: add/abort vs step
+        self._lock = threading.Lock()  # guards the engine: requests vs step vs stats
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, future, loop, queue)
+        self._aborts: deque[str] = deque()  # ids to abort before the next step
         self._ids = itertools.count()
         self._stopping = False
         self.error: BaseException | None = None
@@ -48,62 +100,76 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Queue a request (raising InvalidRequestError at once for bad input) and
-        return an async iterator of its outputs; leaving the iteration early aborts it.
+        return a :class:`RequestStream` of its outputs; closing it early aborts it.
         ``cache_salt``: see :meth:`LLMEngine.add_request`."""
-        if self.error is not None:
+        if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def add() -> None:
-            with self._lock:
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
-                self._streams[request_id] = (loop, queue)
-            self._wake.set()
-
-        await asyncio.to_thread(add)
-        return self._iterate(request_id, queue)
-
-    async def _iterate(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._adds.append((request_id, prompt, params, cache_salt, added, asyncio.get_running_loop(), queue))
+        self._wake.set()
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                await self.abort(request_id)
+            await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            self.abort_nowait(request_id)  # queued after the add: it will find it
+            raise
+        return RequestStream(self, request_id, queue)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters, read between steps."""
+        with self._lock:
+            return self.engine.stats()
 
     async def abort(self, request_id: str) -> None:
-        def abort() -> RequestOutput | None:
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from any thread or a cancelled task: the engine thread aborts the
+        request before its next step, freeing its KV blocks."""
+        self._streams.pop(request_id, None)
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _apply_queued(self) -> None:
+        while self._adds:
+            request_id, prompt, params, cache_salt, added, loop, queue = self._adds.popleft()
+            try:
+                with self._lock:
+                    self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                    self._streams[request_id] = (loop, queue)
+            except BaseException as exc:  # bad input: the caller gets the error
+                added.set_exception(exc)
+            else:
+                added.set_result(None)
+        while self._aborts:
+            request_id = self._aborts.popleft()
             with self._lock:
+                self.engine.abort_request(request_id)
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one
+        per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            if isinstance(item, BaseException) or item.finished:
                 self._streams.pop(request_id, None)
-                return self.engine.abort_request(request_id)
-
-        await asyncio.to_thread(abort)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, queue = target
-        if isinstance(item, BaseException) or item.finished:
-            self._streams.pop(request_id, None)
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
-            pass
+            batches.setdefault(loop, []).append((queue, item))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the caller's loop is closed
+                pass
 
     def _loop(self) -> None:
         while not self._stopping:
+            self._apply_queued()
             with self._lock:
                 busy = self.engine.has_unfinished_requests()
             if not busy:
@@ -113,17 +179,27 @@ class AsyncLLM:
             try:
                 with self._lock:
                     outputs = self.engine.step()
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    self._deliver([(out.request_id, out) for out in outputs])
             except BaseException as exc:  # the model itself failed: report to everyone
                 logger.exception("engine step failed")
                 self.error = exc
-                with self._lock:
-                    for request_id in list(self._streams):
-                        self._deliver(request_id, EngineDeadError(f"the engine stopped: {exc!r}"))
+                self._fail_all(exc)
                 return
+        self._fail_all(None)
+
+    def _fail_all(self, exc: BaseException | None) -> None:
+        error = EngineDeadError(f"the engine stopped: {exc!r}" if exc else "the engine was shut down")
+        while self._adds:
+            self._adds.popleft()[4].set_exception(error)
+        with self._lock:
+            self._deliver([(request_id, error) for request_id in list(self._streams)])
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

@@ -10,6 +10,7 @@ from pyagent_framework.engine.sequence import Logprob
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -17,6 +18,10 @@ class RequestMetrics:
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
 @dataclass

@@ -12,6 +12,7 @@ are freed and it waits to be recomputed from scratch (prompt plus what it genera
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from pyagent_framework.engine.kv_cache import BlockPool
@@ -88,6 +89,8 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                     break
                 self.waiting.pop(0)
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.time()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 batch.items.append((seq, num_new))

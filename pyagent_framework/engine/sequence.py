@@ -46,6 +46,7 @@ class Sequence:
     cache_salt: str | None = None  # prefix-cache tenant: blocks are shared only within one salt
     num_preemptions: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
+    first_scheduled_time: float | None = None  # left the waiting queue for the first time
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
