@@ -69,10 +69,12 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=64, validator=_positive, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive, metadata={"help": "token budget of one step (chunked prefill)"})
     max_model_len: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "context window (default: the model's)"})
-    chat_template: str | None = attrs.field(default=None, metadata={"help": "chat template registry name (default: the tokenizer's)"})
+    chat_template: str | None = attrs.field(default=None, metadata={"help": "chat template: a registry name (chatml, llama3, mistral, qwen, ...) or a .jinja file (default: the tokenizer's)"})
     enable_prefix_caching: bool = attrs.field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before (on by default)"})
     eviction_policy: str = attrs.field(default="lru", metadata={"help": "which cached KV block to evict first (registry name, e.g. lru)"})
     prefix_cache_hash: str = attrs.field(default="sha256", validator=lambda _, a, v: _one_of(a, v, ("sha256", "xxh3_128")), metadata={"help": "prefix-cache block hash: sha256 (default) or xxh3_128 (faster, needs xxhash)"})
+    grammar_backend: str = attrs.field(default="auto", metadata={"help": "structured-output grammar backend (registry name, or auto)"})
+    kv_connector: str | None = attrs.field(default=None, metadata={"help": "KV connector (registry name)"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
 
@@ -105,55 +107,88 @@ def _structure_bool(value: Any, _type: Any) -> bool:
 _converter.register_structure_hook(bool, _structure_bool)
 
 
-def field_names() -> list[str]:
-    return [f.name for f in attrs.fields(EngineConfig)]
+def field_names(cls: type = EngineConfig) -> list[str]:
+    return [f.name for f in attrs.fields(cls)]
 
 
 def make_config(values: dict[str, Any] | None = None, *, config_file: str | None = None, env: bool = True) -> EngineConfig:
-    """Build a config from (lowest to highest priority) environment variables,
+    """Build an engine config from (lowest to highest priority) environment variables,
     a YAML/JSON file and explicit values. Errors name the field."""
+    return build_config(EngineConfig, values, config_file=config_file, env=env)
+
+
+def build_config(
+    cls: type,
+    values: dict[str, Any] | None = None,
+    *,
+    config_file: str | None = None,
+    env: bool = True,
+    shared_with: tuple[type, ...] = (),
+) -> Any:
+    """Structure the attrs class ``cls`` from ``PYAGENT_<FIELD>`` environment
+    variables, then a YAML/JSON file, then explicit values (highest priority).
+
+    A file may also hold the options of the classes in ``shared_with`` (one file
+    configures both the engine and the server); any other key is an error that
+    suggests the nearest option name.
+    """
+    names = field_names(cls)
     merged: dict[str, Any] = {}
     if env:
-        for name in field_names():
+        for name in names:
             raw = os.environ.get(f"PYAGENT_{name.upper()}")
             if raw is not None:
                 merged[name] = raw
     if config_file:
-        merged.update(_read_config_file(config_file))
+        others = {name for other in shared_with for name in field_names(other)}
+        from_file = _read_config_file(config_file)
+        _check_known(set(from_file) - others, names, suggest=[*names, *sorted(others)])
+        merged.update({k: v for k, v in from_file.items() if k in names})
     merged.update({k: v for k, v in (values or {}).items() if v is not None})
-    unknown = sorted(set(merged) - set(field_names()))
-    if unknown:
-        import difflib
-
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, field_names(), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"unknown engine option(s): {', '.join(hints)}", field=unknown[0])
+    _check_known(set(merged), names)
     try:
-        return _converter.structure(merged, EngineConfig)
+        return _converter.structure(merged, cls)
     except Exception as exc:  # cattrs ClassValidationError / attrs validators
-        raise ConfigError(_describe(exc), field=_first_field(exc)) from None
+        raise ConfigError(_describe(exc, names), field=_first_field(exc, names)) from None
+
+
+def _check_known(keys: set[str], names: list[str], suggest: list[str] | None = None) -> None:
+    unknown = sorted(keys - set(names))
+    if not unknown:
+        return
+    import difflib
+
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, suggest or names, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ConfigError(f"unknown option(s): {', '.join(hints)}", field=unknown[0])
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}", field="config") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
+        raise ConfigError(f"config file {path} does not parse: {exc}", field="config") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of option names to values")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values", field="config")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def _leaf_errors(exc: BaseException) -> list[tuple[str | None, BaseException]]:
+def _leaf_errors(exc: BaseException, names: list[str]) -> list[tuple[str | None, BaseException]]:
     if isinstance(exc, BaseExceptionGroup):
         out = []
         for sub in exc.exceptions:
-            out.extend(_leaf_errors(sub))
+            out.extend(_leaf_errors(sub, names))
         return out
     field = None
     for note in getattr(exc, "__notes__", []) or []:
@@ -162,20 +197,20 @@ def _leaf_errors(exc: BaseException) -> list[tuple[str | None, BaseException]]:
             field = match.group(1) or match.group(2)
     if field is None:  # our validators start their message with the field's name
         match = re.match(r"(\w+) must\b", str(exc))
-        if match and match.group(1) in field_names():
+        if match and match.group(1) in names:
             field = match.group(1)
     return [(field, exc)]
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, names: list[str]) -> str:
     parts = []
-    for field, leaf in _leaf_errors(exc):
+    for field, leaf in _leaf_errors(exc, names):
         parts.append(f"{field}: {leaf}" if field and field not in str(leaf) else str(leaf))
-    return "invalid engine option: " + "; ".join(parts)
+    return "invalid option: " + "; ".join(parts)
 
 
-def _first_field(exc: BaseException) -> str | None:
-    for field, _ in _leaf_errors(exc):
+def _first_field(exc: BaseException, names: list[str]) -> str | None:
+    for field, _ in _leaf_errors(exc, names):
         if field:
             return field
     return None

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +67,8 @@ class LLMEngine:
         self.quantization = loader.choose_quantization(config.quantization, config.dtype)
         logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
         # Checked before the weights load, so a misspelt name fails fast.
+        self.grammar_backend = self._check_grammar_backend(config.grammar_backend)
+        self._check_kv_connector(config.kv_connector)
         policy_cls = None
         if config.enable_prefix_caching:
             policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
@@ -121,6 +124,27 @@ class LLMEngine:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"tokenizer: cannot load {name!r} from {path}: {exc}", field="tokenizer") from exc
 
+    @staticmethod
+    def _check_grammar_backend(name: str) -> str | None:
+        """The grammar backend structured-output requests will use (None: none installed)."""
+        if name == "auto":
+            names = registries.grammar_backends.names()
+            return names[0] if names else None
+        loader.load_entry(registries.grammar_backends, name, "grammar_backend")
+        return name
+
+    @staticmethod
+    def _check_kv_connector(name: str | None) -> None:
+        if name is None:
+            return
+        loader.load_entry(registries.kv_connectors, name, "kv_connector")
+        # The name is real, but the scheduler and runner do not call connectors yet:
+        # refusing beats running without the offload or sharing the user asked for.
+        raise ConfigError(
+            f"kv_connector: {name!r} is registered, but this engine version does not drive KV connectors yet",
+            field="kv_connector",
+        )
+
     def _max_model_len(self, config: EngineConfig) -> int:
         native = self.model_config.get("max_position_embeddings")
         if config.max_model_len is None:
@@ -149,15 +173,26 @@ class LLMEngine:
         return list(cache.unbind(0)), num_blocks
 
     def _chat_template(self, config: EngineConfig) -> str | None:
-        if config.chat_template:
-            return loader.load_entry(registries.chat_templates, config.chat_template, "chat_template").source
-        return self.tokenizer.chat_template
+        name = config.chat_template
+        if not name:
+            return self.tokenizer.chat_template
+        if name not in registries.chat_templates and name.endswith(".jinja") and Path(name).is_file():
+            return Path(name).read_text(encoding="utf-8")
+        return loader.load_entry(registries.chat_templates, name, "chat_template").source
 
     # ------------------------------------------------------------------ requests
 
     def render_chat(
-        self, messages: Seq[Mapping[str, Any]], *, add_generation_prompt: bool = True, tools=None, chat_template: str | None = None
+        self,
+        messages: Seq[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools=None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
     ) -> str:
+        """The conversation as prompt text, rendered in the sandbox; ``template_kwargs``
+        reach the template as variables (e.g. ``enable_thinking``)."""
         source = chat_template or self.chat_template
         if source is None:
             raise InvalidRequestError(
@@ -170,6 +205,7 @@ class LLMEngine:
             tools=tools,
             bos_token=getattr(self.tokenizer, "bos_token", None) or "",
             eos_token=getattr(self.tokenizer, "eos_token", None) or "",
+            **template_kwargs,
         )
 
     def add_request(
@@ -378,6 +414,8 @@ class LLMEngine:
         metrics = request.metrics
         firsts = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
         metrics.first_token_time = min(firsts) if firsts else None
+        scheduled = [s.first_scheduled_time for s in request.seqs if s.first_scheduled_time is not None]
+        metrics.first_scheduled_time = min(scheduled) if scheduled else None
         if request.finished:
             metrics.finish_time = max(s.finish_time or 0.0 for s in request.seqs)
         metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
