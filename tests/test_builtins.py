@@ -94,6 +94,36 @@ def test_llama3_template():
     )
 
 
+def test_qwen_template_round_trips_tools_calls_and_results():
+    template = registries.chat_templates.load("qwen")
+    assert template.render(CONVERSATION) == template_chatml_equivalent()
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Lyon"}}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "20C"},
+    ]
+    text = template.render(messages, tools=tools)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
+    assert '\n{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}\n</tools>' in text
+    assert text.endswith(
+        "<|im_start|>user\nParis?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n20C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def template_chatml_equivalent() -> str:
+    """Without tools the qwen template is plain ChatML."""
+    return registries.chat_templates.load("chatml").render(CONVERSATION)
+
+
 def test_mistral_template_folds_the_system_prompt_and_enforces_alternation():
     template = registries.chat_templates.load("mistral")
     messages = [

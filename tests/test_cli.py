@@ -10,12 +10,12 @@ def test_list_counts_every_kind():
     counts = cli_json("list", "--json", PYAGENT_PLUGINS="")
     assert list(counts) == list(registries.KINDS)
     assert counts["eviction_policy"] == 1
-    assert counts["chat_template"] == 3
+    assert counts["chat_template"] == 4
 
 
 def test_list_kind_accepts_singular_plural_and_dashes():
     singular = cli_json("list", "chat_template", "--json", PYAGENT_PLUGINS="")
-    assert [e["name"] for e in singular] == ["chatml", "llama3", "mistral"]
+    assert [e["name"] for e in singular] == ["chatml", "llama3", "mistral", "qwen"]
     assert cli_json("list", "chat-templates", "--json", PYAGENT_PLUGINS="") == singular
 
 
@@ -33,7 +33,7 @@ def test_human_readable_output():
     listed = run_cli("list", "quantizer", PYAGENT_PLUGINS="")
     assert "none (aliases: fp32)  from pyagent-framework" in listed.stdout
     rows = dict(line.split() for line in run_cli("list", PYAGENT_PLUGINS="").stdout.splitlines())
-    assert rows["eviction_policy"] == "1" and rows["chat_template"] == "3"
+    assert rows["eviction_policy"] == "1" and rows["chat_template"] == "4"
 
 
 def test_module_entry_point():

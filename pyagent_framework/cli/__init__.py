@@ -81,16 +81,13 @@ def _cmd_plugin_new(args: argparse.Namespace) -> int:
 CLI_SHADOWED = {"seed"}
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (the same names as ``LLM(**engine_args)``)."""
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per field of the attrs config ``cls`` (dashes for underscores)."""
     import attrs
 
-    from pyagent_framework.engine.config import EngineConfig
-
-    group = parser.add_argument_group("engine")
-    group.add_argument("--config", dest="config_file", default=None, help="YAML/JSON file of engine options")
-    for field in attrs.fields(EngineConfig):
-        if field.name in CLI_SHADOWED:
+    group = parser.add_argument_group(title)
+    for field in attrs.fields(cls):
+        if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         if field.type in (bool, "bool"):  # --enable-x / --no-enable-x
@@ -99,16 +96,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))
 
 
-def engine_args(args: argparse.Namespace) -> dict:
-    import attrs
-
+def add_engine_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset(CLI_SHADOWED)) -> None:
+    """One flag per EngineConfig field (the same names as ``LLM(**engine_args)``)."""
     from pyagent_framework.engine.config import EngineConfig
 
-    return {
-        f.name: getattr(args, f.name)
-        for f in attrs.fields(EngineConfig)
-        if f.name not in CLI_SHADOWED and getattr(args, f.name) is not None
-    }
+    parser.add_argument("--config", dest="config_file", default=None, help="YAML/JSON file of options")
+    add_config_flags(parser, EngineConfig, "engine", skip)
+
+
+def config_args(args: argparse.Namespace, cls: type) -> dict:
+    import attrs
+
+    return {f.name: getattr(args, f.name) for f in attrs.fields(cls) if getattr(args, f.name, None) is not None}
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    from pyagent_framework.engine.config import EngineConfig
+
+    return {k: v for k, v in config_args(args, EngineConfig).items() if k not in CLI_SHADOWED}
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -200,6 +205,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from pyagent_framework.engine.config import EngineConfig
+    from pyagent_framework.server import make_engine_config, make_server_config, serve
+    from pyagent_framework.server.config import ServerConfig
+
+    server_config = make_server_config(config_args(args, ServerConfig), config_file=args.config_file)
+    engine_config = make_engine_config(config_args(args, EngineConfig), config_file=args.config_file)
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve(engine_config, server_config)
+    return 0
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -237,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(p, max_tokens=512)
     add_engine_flags(p)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (binds 127.0.0.1:8000 by default)")
+    from pyagent_framework.server.config import ServerConfig
+
+    add_engine_flags(p, skip=frozenset())
+    add_config_flags(p, ServerConfig, "server")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("plugin", help="plugin authoring tools")
     plugin_sub = p.add_subparsers(dest="plugin_command", required=True, metavar="ACTION")

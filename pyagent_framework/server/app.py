@@ -1,0 +1,236 @@
+"""The FastAPI application: routes, API key, body-size cap and the error shape.
+
+Every failure a client can cause is answered in OpenAI's error shape with a 4xx
+status: 400 bad value or cap exceeded, 401 API key, 404 unknown model or route, 413
+body too large, 422 body does not match the schema, 503 engine stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyagent_framework.engine.async_llm import AsyncLLM
+from pyagent_framework.server import protocol as api
+from pyagent_framework.server.config import ServerConfig
+from pyagent_framework.server.errors import ERROR_RESPONSES, APIError, error_body
+from pyagent_framework.server.metrics import ServerMetrics
+from pyagent_framework.server.serving import Events, OpenAIServing
+
+logger = logging.getLogger("pyagent_framework.server")
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param, code=code).model_dump(), status_code=status)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop (and abort the request in the engine) as soon as
+    the client disconnects, whatever ASGI version the server speaks."""
+
+    def __init__(self, events: Events) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the connection broke mid-write
+                        pass
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            await self.events.aclose()
+
+
+async def until_disconnected(request: Request, work) -> Any:
+    """Run ``work`` (a coroutine) unless the client hangs up first; then cancel it, so
+    the request is aborted in the engine and its KV blocks freed."""
+    task = asyncio.ensure_future(work)
+
+    async def hung_up() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(hung_up())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, APIError):
+        pass
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+class Guard:
+    """ASGI middleware in front of the app: the API key on ``/v1/*`` (401), then the
+    body-size cap (413, by Content-Length, or counted as a chunked body streams in)."""
+
+    def __init__(self, app, *, limit: int, api_key: str | None) -> None:
+        self.app = app
+        self.limit = limit
+        self.api_key = api_key.encode() if api_key else None
+
+    def __getattr__(self, name: str) -> Any:  # reach the FastAPI app (openapi, routes, ...)
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", []))
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                message = "missing or incorrect API key (send 'Authorization: Bearer KEY')"
+                return await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(400, "bad Content-Length header")(scope, receive, send)
+            if int(length) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        # No Content-Length (a chunked body): read it here, counting, then replay it.
+        body, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            body.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body is larger than this server's limit of {self.limit} bytes"
+        await error_response(413, message, code="request_too_large")(scope, receive, send)
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_parser_cls=None, reasoning_parser_cls=None) -> Guard:
+    """The ASGI app over a running :class:`AsyncLLM`; the caller owns the engine
+    (several apps may share one) and shuts it down."""
+    metrics = ServerMetrics(engine.stats, model_name)
+    serving = OpenAIServing(
+        engine,
+        config,
+        model_name=model_name,
+        metrics=metrics,
+        tool_parser_cls=tool_parser_cls,
+        reasoning_parser_cls=reasoning_parser_cls,
+    )
+
+    app = FastAPI(title="pyagent-framework", version="1", responses=ERROR_RESPONSES)
+    app.state.serving = serving
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body().model_dump(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), code="invalid_json")
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+        )
+        return error_response(422, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+    @app.get("/health", response_model=api.HealthResponse, responses={503: ERROR_RESPONSES[503]})
+    async def health():
+        if not engine.is_alive:
+            return error_response(503, f"the engine has stopped: {engine.error!r}", code="engine_dead")
+        return api.HealthResponse()
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics():
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=api.ModelList)
+    async def models():
+        return serving.models()
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=api.ChatCompletionResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "A chat.completion, or chunks when stream=true"}},
+    )
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        return await until_disconnected(request, respond(serving.chat(body)))
+
+    @app.post(
+        "/v1/completions",
+        response_model=api.CompletionResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "A text_completion, or chunks when stream=true"}},
+    )
+    async def completions(body: api.CompletionRequest, request: Request):
+        return await until_disconnected(request, respond(serving.completion(body)))
+
+    @app.post("/tokenize", response_model=api.TokenizeResponse)
+    async def tokenize(body: api.TokenizeRequest):
+        return serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=api.DetokenizeResponse)
+    async def detokenize(body: api.DetokenizeRequest):
+        return serving.detokenize(body)
+
+    return Guard(app, limit=config.max_request_bytes, api_key=config.api_key)
+
+
+async def respond(result) -> Any:
+    out = await result
+    if isinstance(out, api.BaseModel):
+        return JSONResponse(out.model_dump(mode="json"))
+    return EventStream(out)

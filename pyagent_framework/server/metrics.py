@@ -1,0 +1,137 @@
+"""Prometheus metrics of the server (``GET /metrics``), on a registry of its own.
+
+Latencies are observed per request as its outputs arrive; engine gauges (running and
+waiting requests, KV-cache usage, prefix-cache hit rate) are read from the engine's
+``stats()`` at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pyagent_framework.engine.outputs import RequestOutput
+
+PREFIX = "pyagent:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason", [*labels, "finished_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", labels, registry=self.registry)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token", labels, buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens", labels, buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token", labels, buckets=REQUEST_BUCKETS, registry=self.registry
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduling", labels, buckets=REQUEST_BUCKETS, registry=self.registry
+        )
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue):
+            metric.labels(model_name)  # exported from the start, at zero
+        self.registry.register(_EngineCollector(stats, model_name))
+
+    def track(self, num_prompt_tokens: int) -> "RequestTracker":
+        return RequestTracker(self, num_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs; ``close()`` records how it ended (an
+    unfinished request counts as aborted: its client went away)."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.last: RequestOutput | None = None
+        self.last_time: float | None = None
+        self.num_tokens = 0
+        self.closed = False
+
+    def update(self, out: RequestOutput) -> None:
+        m, label = self.metrics, self.metrics.model_name
+        now = time.time()
+        num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        new = num_tokens - self.num_tokens
+        if new > 0:
+            if self.last_time is None:
+                first = out.metrics.first_token_time or now
+                m.ttft.labels(label).observe(max(0.0, first - out.metrics.arrival_time))
+            else:
+                gap = (now - self.last_time) / new
+                for _ in range(new):
+                    m.itl.labels(label).observe(gap)
+            self.last_time = now
+            m.generation_tokens.labels(label).inc(new)
+            self.num_tokens = num_tokens
+        self.last = out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        m, label, out = self.metrics, self.metrics.model_name, self.last
+        m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+        if out is None or not out.finished:
+            m.requests.labels(label, "abort").inc()
+            return
+        for output in out.outputs:
+            m.requests.labels(label, output.finish_reason or "abort").inc()
+        metrics = out.metrics
+        if metrics.finish_time is not None:
+            m.e2e.labels(label).observe(max(0.0, metrics.finish_time - metrics.arrival_time))
+        if metrics.queue_time is not None:
+            m.queue.labels(label).observe(max(0.0, metrics.queue_time))
+
+
+class _EngineCollector:
+    """Gauges read from the engine at scrape time."""
+
+    GAUGES = {
+        "num_requests_running": ("num_running", "Sequences in the running batch"),
+        "num_requests_waiting": ("num_waiting", "Sequences waiting to be scheduled"),
+        "kv_cache_usage_perc": ("kv_cache_usage", "Fraction of KV-cache blocks in use (1 = full)"),
+        "num_free_kv_blocks": ("num_free_kv_blocks", "KV-cache blocks an allocation can take"),
+        "num_kv_blocks": ("num_kv_blocks", "KV-cache blocks in all"),
+        "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+    }
+    COUNTERS = {
+        "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+        "num_preemptions": ("num_preemptions", "Sequences preempted for lack of KV blocks"),
+    }
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def describe(self):
+        return []  # collected lazily: describing must not touch the engine
+
+    def collect(self):
+        stats = self.stats()
+        for name, (key, doc) in self.GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            yield family
+        for name, (key, doc) in self.COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield family
