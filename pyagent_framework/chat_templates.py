@@ -104,6 +104,10 @@ def render_chat_template(
         )
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # A template meeting input it did not expect (content None, a missing key, ...):
+        # that is a problem with the conversation, reported as such, not a crash.
+        raise ChatTemplateError(f"chat template failed to render these messages: {type(exc).__name__}: {exc}") from exc
 
 
 def templates_dir() -> Path:

@@ -70,6 +70,7 @@ BAD_INPUT = [
     ("top_logprobs without logprobs", "chat", {"top_logprobs": 2}, 400, "top_logprobs"),
     ("completion logprobs 21", "completions", {"logprobs": 21}, 400, "logprobs"),
     ("301 logit_bias entries", "chat", {"logit_bias": {str(i): 1.0 for i in range(301)}}, 400, "logit_bias"),
+    ("257 stop token ids", "chat", {"stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
     ("logit_bias key not a token id", "chat", {"logit_bias": {"hello": 1.0}}, 400, "logit_bias"),
     ("logit_bias token outside the vocabulary", "chat", {"logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
     ("unknown model", "chat", {"model": "gpt-4"}, 404, "model"),
@@ -231,6 +232,10 @@ def test_request_chat_template_when_trusted_and_named_templates(engine, path):
     with make_client(engine, trust_request_chat_template=True) as c:
         response = chat(c, chat_template="{{ messages[0]['content'] }}")
         assert response.status_code == 200
+        # A template that meets input it does not expect is the request's problem: 400.
+        broken = chat(c, chat_template="{{ messages[0]['content'] + '!' }}", messages=[{"role": "assistant", "content": None}])
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+        assert "TypeError" in broken.json()["error"]["message"]
         assert response.json()["usage"]["prompt_tokens"] == len(engine.engine.tokenizer.encode("The quick brown fox", add_special_tokens=False))
 
 

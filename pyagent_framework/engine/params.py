@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 
 
@@ -91,6 +92,10 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}", param="stop"
                 )
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}", param="stop_token_ids"
+            )
         for token in self.stop_token_ids or []:
             _token_id("stop_token_ids", token, vocab_size)
         if self.logit_bias:

@@ -72,10 +72,11 @@ class OpenAIServing:
     def sampling_params(
         self, req: api.SamplingFields, *, max_tokens: int | None, prompt_len: int, logprobs: int | None, prompt_param: str
     ) -> SamplingParams:
-        """Check the server's caps, then build and validate the engine's params."""
+        """Check the server's caps, then build and validate the engine's params.
+        ``max_tokens=None`` means what the context window leaves after the prompt."""
         cfg = self.config
         self.check_prompt_len(prompt_len, prompt_param)
-        if max_tokens is None:  # as much as the context window leaves
+        if max_tokens is None:
             max_tokens = self.max_model_len - prompt_len
         n = req.n
         if n > cfg.max_n:
@@ -95,7 +96,7 @@ class OpenAIServing:
                     bias[int(key)] = value
                 except ValueError:
                     raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs:
+        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs:
             raise APIError(
                 400,
                 "structured outputs need a grammar backend, and this server's engine does not apply one yet",
@@ -126,7 +127,7 @@ class OpenAIServing:
             params.validate(self.core.vocab_size)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+        if prompt_len + max_tokens > self.max_model_len:
             raise APIError(
                 400,
                 f"this model's context window is {self.max_model_len} tokens; the prompt has {prompt_len} and "
