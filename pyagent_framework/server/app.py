@@ -75,11 +75,12 @@ async def until_disconnected(request: Request, work) -> Any:
     watcher = asyncio.ensure_future(hung_up())
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler itself is cancelled (shutdown): never orphan the work
         watcher.cancel()
+        if not task.done():
+            task.cancel()
     if task in done:
         return task.result()
-    task.cancel()
     try:
         await task
     except (asyncio.CancelledError, APIError):

@@ -537,11 +537,11 @@ class Events:
         return self.events
 
     async def aclose(self) -> None:
-        await self.events.aclose()
-        for stream in self.streams:
+        for stream in self.streams:  # first, and without awaiting: cancellation can't skip it
             stream.close()
         for tracker in self.trackers:
             tracker.close()
+        await self.events.aclose()
 
 
 @dataclass
