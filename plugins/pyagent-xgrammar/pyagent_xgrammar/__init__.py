@@ -1,0 +1,1 @@
+"""pyagent-xgrammar: the ``xgrammar`` grammar backend (structured outputs)."""

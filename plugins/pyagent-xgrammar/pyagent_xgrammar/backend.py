@@ -1,0 +1,133 @@
+"""The ``xgrammar`` grammar backend: specs compiled to xgrammar's pushdown automata,
+one matcher per request.
+
+Spec kinds: ``json_schema`` (a dict or JSON text), ``json_object`` (any JSON object,
+never a bare array or scalar),
+``regex``, ``choice`` (a list of strings, compiled to an EBNF alternation) and
+``grammar`` (EBNF in xgrammar's GBNF dialect: ``root ::= ...``). A spec that is wrong
+raises ``ValueError`` naming the problem; a feature xgrammar does not support raises
+``NotImplementedError`` (so ``auto`` can try another backend).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
+from pyagent_framework.types import GrammarSpec, TokenizerInfo
+
+# Several tokenizers may be in use (a draft model's, tests'); each needs its own compiler.
+MAX_COMPILERS = 4
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class XGrammarBackend(GrammarBackend):
+    supported_kinds = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
+
+    def __init__(self) -> None:
+        self._compilers: dict[int, tuple[TokenizerInfo, xgr.GrammarCompiler]] = {}
+        self._lock = threading.Lock()
+
+    def _compiler(self, info: TokenizerInfo) -> xgr.GrammarCompiler:
+        with self._lock:
+            entry = self._compilers.get(id(info))
+            if entry is not None and entry[0] is info:
+                return entry[1]
+            # Special tokens decode to no text for the grammar: they can never spell
+            # JSON or match a pattern (end-of-sequence is handled as a stop token).
+            vocab = [b"" if i in info.special_ids else piece for i, piece in enumerate(info.vocab)]
+            xgr_info = xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=sorted(info.eos_token_ids)
+            )
+            # The engine keeps its own bounded cache of compiled grammars.
+            compiler = xgr.GrammarCompiler(xgr_info, max_threads=1, cache_enabled=False)
+            if len(self._compilers) >= MAX_COMPILERS:
+                self._compilers.pop(next(iter(self._compilers)))
+            self._compilers[id(info)] = (info, compiler)
+            return compiler
+
+    def compile(self, spec: GrammarSpec, tokenizer_info: TokenizerInfo) -> xgr.CompiledGrammar:
+        if spec.kind not in self.supported_kinds:
+            raise NotImplementedError(f"xgrammar does not handle {spec.kind!r} specs")
+        compiler = self._compiler(tokenizer_info)
+        source = _source(spec)
+        try:
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(source, any_whitespace=False)
+            if spec.kind == "json_object":  # an object, as OpenAI's json_object mode promises
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(source)
+            return compiler.compile_grammar(source)  # "grammar", and "choice" as EBNF
+        except RuntimeError as exc:  # xgrammar reports every compile error this way
+            message = _first_line(exc)
+            if "not supported" in message.lower() or "unsupported" in message.lower():
+                raise NotImplementedError(f"xgrammar: {message}") from None
+            raise ValueError(f"invalid {spec.kind}: {message}") from None
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> "XGrammarMatcher":
+        return XGrammarMatcher(compiled)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)  # rollback depth is unlimited
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        accepted = 0
+        for token in token_ids:
+            if not self._matcher.accept_token(int(token)):
+                if accepted:
+                    self._matcher.rollback(accepted)
+                return False
+            accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def reset(self) -> None:
+        self._matcher.reset()
+
+
+def _source(spec: GrammarSpec) -> str | None:
+    """The spec's text for xgrammar, checked for shape first."""
+    value = spec.value
+    if spec.kind == "json_object":
+        return None
+    if spec.kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"invalid json_schema: not JSON ({exc})") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError(f"invalid json_schema: a schema is an object, got {type(value).__name__}")
+        return json.dumps(value)
+    if spec.kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError("invalid choice: give a non-empty list of non-empty strings")
+        # EBNF string literals take JSON's escapes; non-ASCII characters stay literal.
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"invalid {spec.kind}: give a non-empty string")
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    """xgrammar's message without its time and source-location prefix."""
+    lines = str(exc).strip().splitlines()
+    return _LOCATION.sub("", lines[0]) if lines else type(exc).__name__
