@@ -231,7 +231,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        text, ids = self._tokenize_prompt(prompt, add_special_tokens)
+        text, ids = self.tokenize_prompt(prompt, add_special_tokens)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but the context window is {self.max_model_len}; "
@@ -264,7 +264,10 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _tokenize_prompt(self, prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or ids; raises
+        InvalidRequestError (param ``prompt``) for an empty prompt or an id outside the
+        vocabulary. Reads no engine state, so any thread may call it."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")

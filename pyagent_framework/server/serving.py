@@ -186,17 +186,10 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "the prompt is empty", param="prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        vocab = self.core.vocab_size
-        for token in prompt:
-            if not 0 <= token < vocab:
-                raise APIError(400, f"prompt token {token} is not a token id of this model (0..{vocab - 1})", param="prompt")
-        return list(prompt)
+        try:
+            return self.core.tokenize_prompt(prompt, add_special_tokens)[1]
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
 
     # ------------------------------------------------------------------ chat
 
