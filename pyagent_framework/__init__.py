@@ -11,7 +11,7 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "AsyncLLM", "LLM", "SamplingParams", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "LLM", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
 
 # Imported on first use: `import pyagent_framework` stays free of torch.
 _LAZY = {
@@ -19,6 +19,7 @@ _LAZY = {
     "LLM": ("pyagent_framework.engine.llm", "LLM"),
     "AsyncLLM": ("pyagent_framework.engine.async_llm", "AsyncLLM"),
     "SamplingParams": ("pyagent_framework.engine.params", "SamplingParams"),
+    "StructuredOutputsParams": ("pyagent_framework.engine.params", "StructuredOutputsParams"),
 }
 
 

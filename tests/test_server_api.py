@@ -5,7 +5,9 @@ completions' shapes, and the tool-call / reasoning parser hooks."""
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
@@ -87,7 +89,15 @@ BAD_INPUT = [
     ("min_tokens above max_tokens", "chat", {"min_tokens": 9}, 400, "min_tokens"),
     ("request chat template", "chat", {"chat_template": "{{ messages }}"}, 400, "chat_template"),
     ("reserved template kwarg", "chat", {"chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
-    ("json_schema response_format", "chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400, "response_format"),
+    ("json_schema without its schema", "chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format.json_schema"),
+    ("invalid JSON schema", "chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}}, 400, "structured_outputs.json"),
+    ("JSON schema that is not JSON", "completions", {"structured_outputs": {"json": "{oops"}}, 400, "structured_outputs.json"),
+    ("invalid regex", "completions", {"structured_outputs": {"regex": "(abc"}}, 400, "structured_outputs"),
+    ("two constraints", "chat", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("unknown structured_outputs key", "chat", {"structured_outputs": {"jsonschema": {}}}, 400, "structured_outputs"),
+    ("response_format and structured_outputs", "chat", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
+    ("unknown grammar backend", "chat", {"structured_outputs": {"regex": "a", "backend": "nope"}}, 400, "structured_outputs.backend"),
+    ("empty choice list", "completions", {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
     ("auto tool choice without a parser", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("suffix", "completions", {"suffix": "end"}, 400, "suffix"),
     ("cache_salt too long", "chat", {"cache_salt": "s" * 300}, 400, "cache_salt"),
@@ -108,6 +118,51 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(client, what, en
     assert error["message"] and error["type"]
     assert error["param"] == param
     assert_serving(client)
+
+
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": STRUCTURED_SCHEMA, "strict": True}}
+    response = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 60, "temperature": 0, "response_format": fmt, "n": 2})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), STRUCTURED_SCHEMA)
+    response = chat(client, response_format={"type": "json_object"}, max_tokens=30, ignore_eos=False)
+    body = response.json()["choices"][0]
+    assert response.status_code == 200 and body["message"]["content"].startswith("{")
+
+
+def test_structured_outputs_choice_streams_and_regex_completes(client):
+    body = {"messages": HI, "max_tokens": 20, "temperature": 1.0, "seed": 3, "stream": True,
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text in ("red", "green", "blue")
+    response = client.post("/v1/completions", json={"prompt": "Code:", "max_tokens": 20, "temperature": 0,
+                                                    "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{4}"}})
+    choice = response.json()["choices"][0]
+    assert re.fullmatch("[A-Z]{2}-[0-9]{4}", choice["text"]) and choice["finish_reason"] == "stop"
+
+
+def test_empty_schema_honours_max_tokens(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "anything", "schema": {}}}
+    response = chat(client, response_format=fmt, max_tokens=8, temperature=1.0, seed=0)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    if choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+    assert response.json()["usage"]["completion_tokens"] <= 8
 
 
 def test_unknown_route_and_method_use_the_error_shape(client):

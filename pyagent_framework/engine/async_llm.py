@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -107,6 +108,9 @@ class AsyncLLM:
         if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
+        grammar = self.engine.prepare_grammar(params or SamplingParams())
+        if grammar is not None:  # a bad spec fails here, before anything is queued
+            await asyncio.wrap_future(grammar)
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._adds.append((request_id, prompt, params, cache_salt, added, asyncio.get_running_loop(), queue))
@@ -158,6 +162,8 @@ class AsyncLLM:
             if target is None:
                 continue
             loop, queue = target
+            if isinstance(item, RequestOutput) and item.error is not None:
+                item = InvalidRequestError(item.error, param="structured_outputs")
             if isinstance(item, BaseException) or item.finished:
                 self._streams.pop(request_id, None)
             batches.setdefault(loop, []).append((queue, item))

@@ -73,10 +73,18 @@ class EngineConfig:
     enable_prefix_caching: bool = attrs.field(default=True, metadata={"help": "reuse the KV blocks of prompt prefixes seen before (on by default)"})
     eviction_policy: str = attrs.field(default="lru", metadata={"help": "which cached KV block to evict first (registry name, e.g. lru)"})
     prefix_cache_hash: str = attrs.field(default="sha256", validator=lambda _, a, v: _one_of(a, v, ("sha256", "xxh3_128")), metadata={"help": "prefix-cache block hash: sha256 (default) or xxh3_128 (faster, needs xxhash)"})
-    grammar_backend: str = attrs.field(default="auto", metadata={"help": "structured-output grammar backend (registry name, or auto)"})
+    grammar_backend: str = attrs.field(default="auto", metadata={"help": "structured-output grammar backend: a registry name, or auto (xgrammar, then outlines, then others; the next on an unsupported feature)"})
+    grammar_cache_memory: str = attrs.field(default="256MiB", metadata={"help": "memory bound of the compiled-grammar cache (least recently used out), e.g. 64MiB"})
+    grammar_compile_timeout: float = attrs.field(default=10.0, validator=_positive, metadata={"help": "seconds a grammar may take to compile before its requests fail"})
     kv_connector: str | None = attrs.field(default=None, metadata={"help": "KV connector (registry name)"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
+
+    def grammar_cache_bytes(self) -> int:
+        try:
+            return parse_size(self.grammar_cache_memory)
+        except ValueError as exc:
+            raise ConfigError(f"grammar_cache_memory: {exc}", field="grammar_cache_memory") from None
 
     def kv_cache_bytes(self) -> int | None:
         if self.kv_cache_memory is None:

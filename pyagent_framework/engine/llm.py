@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any, Union
 
+from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -51,9 +52,13 @@ class LLM:
         yield from self._run(self._submit(prompts, params))
 
     def _submit(self, prompts, params, cache_salt: str | None = None) -> list[str]:
-        """Validate and queue every prompt, or none of them."""
+        """Validate and queue every prompt, or none of them. Grammars are compiled
+        (in parallel) first, so a bad spec raises before anything is queued."""
         prompts = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(prompts))
+        grammars = [g for g in (self.engine.prepare_grammar(p) for p in param_list) if g is not None]
+        for grammar in grammars:
+            grammar.result()
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added = []
         try:
@@ -71,6 +76,8 @@ class LLM:
         try:
             while pending:
                 for out in self.engine.step():
+                    if out.error is not None:  # its grammar failed after all (evicted and recompiled)
+                        raise InvalidRequestError(out.error, param="structured_outputs")
                     if out.request_id in pending:
                         if out.finished:
                             pending.discard(out.request_id)

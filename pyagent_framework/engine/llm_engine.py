@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -25,10 +26,12 @@ from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.engine.sampler import SampleResult, Sampler, top_logprobs
 from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence, SequenceStatus
+from pyagent_framework.engine.structured import StructuredOutputManager
 
 logger = logging.getLogger("pyagent_framework.engine")
 
 MAX_CACHE_SALT = 256  # characters
+GRAMMAR_POLL_SECONDS = 0.005  # how long an idle step waits for a grammar to compile
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Request:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     reported: bool = field(default=False)
+    grammar: concurrent.futures.Future | None = None  # compiling: scheduled once done
 
     @property
     def finished(self) -> bool:
@@ -68,6 +72,7 @@ class LLMEngine:
         logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
         # Checked before the weights load, so a misspelt name fails fast.
         self.grammar_backend = self._check_grammar_backend(config.grammar_backend)
+        grammar_cache_bytes = config.grammar_cache_bytes()
         self._check_kv_connector(config.kv_connector)
         policy_cls = None
         if config.enable_prefix_caching:
@@ -102,7 +107,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.chat_template = self._chat_template(config)
+        self.structured = StructuredOutputManager(
+            self.tokenizer,
+            self.vocab_size,
+            default_backend=config.grammar_backend,
+            cache_bytes=grammar_cache_bytes,
+            compile_timeout=config.grammar_compile_timeout,
+        )
         self.requests: dict[str, Request] = {}
+        self.compiling: list[Request] = []  # waiting for their grammar, in arrival order
         self.num_preemptions = 0
 
     @classmethod
@@ -125,12 +138,10 @@ class LLMEngine:
             raise ConfigError(f"tokenizer: cannot load {name!r} from {path}: {exc}", field="tokenizer") from exc
 
     @staticmethod
-    def _check_grammar_backend(name: str) -> str | None:
-        """The grammar backend structured-output requests will use (None: none installed)."""
-        if name == "auto":
-            names = registries.grammar_backends.names()
-            return names[0] if names else None
-        loader.load_entry(registries.grammar_backends, name, "grammar_backend")
+    def _check_grammar_backend(name: str) -> str:
+        """``auto`` (try each installed backend in turn) or a registered name."""
+        if name != "auto":
+            loader.load_entry(registries.grammar_backends, name, "grammar_backend")
         return name
 
     @staticmethod
@@ -260,9 +271,23 @@ class LLMEngine:
         request = Request(request_id, text, list(ids), params, seqs, RequestMetrics(arrival_time=now))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no logprob
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.submit(params.structured_outputs)
         self.requests[request_id] = request
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if request.grammar is not None:
+            self.compiling.append(request)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
+
+    def prepare_grammar(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        """Start compiling ``params``' structured-output spec (any thread may call this);
+        the future fails with InvalidRequestError for a bad spec. Awaiting it before
+        ``add_request`` turns a bad spec into an error before anything is queued."""
+        params.validate(self.vocab_size)
+        if params.structured_outputs is None:
+            return None
+        return self.structured.submit(params.structured_outputs)
 
     def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt given as text or ids; raises
@@ -302,10 +327,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        failed = self._start_compiled() if self.compiling else []
         batch = self.scheduler.schedule()
         self.num_preemptions += batch.num_preempted
         if not batch:
-            return []
+            if self.compiling and not failed:  # nothing to run until a grammar is ready
+                concurrent.futures.wait(
+                    [r.grammar for r in self.compiling], GRAMMAR_POLL_SECONDS, concurrent.futures.FIRST_COMPLETED
+                )
+            return failed
         logits = self.runner.execute(batch)
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
@@ -313,11 +343,14 @@ class LLMEngine:
         now = time.time()
         self._record_prompt_logprobs(logits)
         if logits.sample_seqs:
+            matchers = [seq.matcher for seq in logits.sample_seqs]
+            if any(m is not None for m in matchers):
+                self.structured.apply_masks(logits.sample_logits, matchers)
             results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
             for seq, result in zip(logits.sample_seqs, results):
                 self._append_token(seq, result, now)
         touched = dict.fromkeys(seq.request_id for seq in logits.sample_seqs)
-        outputs = []
+        outputs = failed
         for request_id in touched:
             request = self.requests.get(request_id)
             if request is None:
@@ -326,6 +359,34 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready (each sequence gets its own
+        matcher); finish those whose spec failed, with the error in their output."""
+        failed = []
+        still = []
+        for request in self.compiling:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted while compiling
+            if not request.grammar.done():
+                still.append(request)
+                continue
+            error = request.grammar.exception()
+            if error is None:
+                grammar = request.grammar.result()
+                for seq in request.seqs:
+                    seq.matcher = grammar.matcher()
+                    self.scheduler.add(seq)
+                continue
+            now = time.time()
+            for seq in request.seqs:
+                self._finish(seq, "abort", now)
+            output = self._output(request)
+            output.error = str(error)
+            failed.append(output)
+            del self.requests[request.request_id]
+        self.compiling = still
+        return failed
 
     def _record_prompt_logprobs(self, logits: StepLogits) -> None:
         for request in self.requests.values():
@@ -345,6 +406,12 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, result: SampleResult, now: float) -> None:
         params = seq.params
         token = result.token_id
+        if seq.matcher is not None and not seq.matcher.accept_tokens([token]):
+            # Only a token the mask allowed can be sampled; if the backend disagrees
+            # with its own mask, end this sequence rather than emit unconstrained text.
+            logger.error("grammar refused token %d it had allowed (request %s)", token, seq.request_id)
+            self._finish(seq, "abort", now)
+            return
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -361,7 +428,9 @@ class LLMEngine:
             if stop is not None:
                 self._finish(seq, "stop", now, stop)
                 return
-        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            self._finish(seq, "stop", now)  # the grammar ended (on an end-of-sequence token)
+        elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, "stop", now)
         elif can_stop and token in (params.stop_token_ids or ()):
             self._finish(seq, "stop", now, token)
@@ -445,5 +514,7 @@ class LLMEngine:
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "num_preemptions": self.num_preemptions,
             "prefix_caching": self.pool.caching,
+            "num_compiling": len(self.compiling),
             **self.pool.stats(),
+            **self.structured.stats(),
         }

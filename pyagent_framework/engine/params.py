@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.types import GrammarSpec
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -15,6 +18,123 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
+MAX_GRAMMAR_CHARS = 128 * 1024  # a schema's JSON text, a regex or a grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output; give exactly one of the constraints (vLLM's names).
+
+    ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON
+    object; ``regex``: a pattern the whole output matches; ``choice``: the output is
+    one of these strings; ``grammar``: an EBNF grammar in the GBNF dialect
+    (``root ::= ...``). ``backend`` picks a grammar backend by registry name for this
+    request (default: the engine's ``grammar_backend``).
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    backend: str | None = None
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputsParams":
+        """From an instance or a mapping with the same keys (an API request body)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(
+                f"structured_outputs must be an object such as {{\"json\": {{...}}}}, got {type(value).__name__}",
+                param="structured_outputs",
+            )
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in value if k not in names)
+        if unknown:
+            raise InvalidRequestError(
+                f"structured_outputs: unknown key(s) {', '.join(map(repr, unknown))}; use one of "
+                f"{', '.join(sorted(names))}",
+                param="structured_outputs",
+            )
+        return cls(**value)
+
+    def spec(self) -> GrammarSpec:
+        """The one constraint as a :class:`GrammarSpec`, checked for shape and size;
+        raises :class:`InvalidRequestError` naming the problem."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object not in (True, False):
+            _fail("json_object must be true or false")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            _fail(
+                "give exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            _fail(f"backend must be a grammar backend name, got {self.backend!r}", "backend")
+        kind = given[0]
+        if kind == "json_object":
+            return GrammarSpec("json_object")
+        if kind == "json":
+            schema = self.json
+            text = schema if isinstance(schema, str) else None
+            if text is not None:
+                _check_size("json", text)
+                try:
+                    schema = json.loads(text)
+                except (ValueError, RecursionError) as exc:
+                    _fail(f"the JSON schema is not valid JSON: {exc}", "json")
+            if not isinstance(schema, (dict, bool)):
+                _fail(f"a JSON schema is an object, got {type(schema).__name__}", "json")
+            if text is None:
+                try:
+                    _check_size("json", json.dumps(schema))
+                except (TypeError, ValueError, RecursionError) as exc:
+                    _fail(f"the JSON schema cannot be written as JSON: {exc}", "json")
+            _check_schema(schema)
+            return GrammarSpec("json_schema", schema)
+        if kind == "choice":
+            choices = self.choice
+            if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
+                _fail("choice must be a non-empty list of strings", "choice")
+            if len(choices) > MAX_CHOICES:
+                _fail(f"choice may have at most {MAX_CHOICES} entries, got {len(choices)}", "choice")
+            for item in choices:
+                if not isinstance(item, str) or not item or len(item) > MAX_CHOICE_CHARS:
+                    _fail(f"each choice must be a non-empty string of at most {MAX_CHOICE_CHARS} characters, got {item!r:.80}", "choice")
+            return GrammarSpec("choice", tuple(choices))
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            _fail(f"{kind} must be a non-empty string", kind)
+        _check_size(kind, text)
+        return GrammarSpec(kind, text)
+
+
+def _fail(message: str, key: str | None = None) -> None:
+    raise InvalidRequestError(f"structured_outputs: {message}", param="structured_outputs" + (f".{key}" if key else ""))
+
+
+def _check_schema(schema: Any) -> None:
+    """Against its draft's metaschema (``$schema``, else 2020-12), so a wrong schema is
+    named as such whichever backend would have compiled it."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        _fail(f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", "json")
+    except RecursionError:
+        _fail("the JSON schema is nested too deeply", "json")
+
+
+def _check_size(key: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        _fail(f"{key} may have at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}", key)
 
 
 @dataclass
@@ -24,6 +144,10 @@ class SamplingParams:
     ``temperature=0`` (or ``top_k=1``) is greedy. ``top_k <= 0`` disables top-k.
     ``logprobs=k`` returns the chosen token's logprob and the top k alternatives per
     step; ``prompt_logprobs=k`` the same for every prompt token after the first.
+    ``structured_outputs`` (a :class:`StructuredOutputsParams` or a mapping of its
+    keys) constrains the output to a JSON schema, regex, choice list or grammar; the
+    output then ends where the grammar does (``min_tokens`` and ``ignore_eos`` cannot
+    extend it).
     """
 
     n: int = 1
@@ -46,6 +170,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,6 +231,9 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _token_id("logit_bias", token, vocab_size)
                 _float("logit_bias", bias, low=-100.0, high=100.0)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+            self.structured_outputs.spec()
         return self
 
     def replace(self, **changes: Any) -> "SamplingParams":

@@ -128,7 +128,7 @@ class Sampler:
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
                 logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
-            if seq.num_output_tokens < params.min_tokens:
+            if seq.num_output_tokens < params.min_tokens and seq.matcher is None:  # a grammar decides its own end
                 banned = set(params.stop_token_ids or ())
                 if not params.ignore_eos:
                     banned |= self.eos_token_ids
@@ -164,7 +164,7 @@ def _needs_processing(seq: Sequence) -> bool:
     params = seq.params
     return bool(
         params.logit_bias
-        or seq.num_output_tokens < params.min_tokens
+        or (seq.num_output_tokens < params.min_tokens and seq.matcher is None)
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0

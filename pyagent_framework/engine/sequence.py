@@ -56,6 +56,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: Any = None
+    matcher: Any = None  # GrammarMatcher of a structured-output request
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,9 @@ from typing import Any
 
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
+#: What :meth:`GrammarBackend.memory_bytes` assumes when a backend cannot say.
+DEFAULT_COMPILED_BYTES = 1 << 20
+
 
 class GrammarMatcher(ABC):
     """Per-request state of a compiled grammar.
@@ -38,7 +41,8 @@ class GrammarBackend(ABC):
     Built as ``cls()``. ``supported_kinds`` names the :class:`GrammarSpec` kinds it
     handles; ``compile`` raises ``ValueError`` naming the problem for a bad spec and
     ``NotImplementedError`` for a feature it does not support (so ``auto`` can fall
-    back to another backend).
+    back to another backend). ``compile`` runs on a worker thread, never the engine
+    loop; it may be called from several threads at once.
     """
 
     __required_attributes__ = ("supported_kinds",)
@@ -49,3 +53,9 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+    def memory_bytes(self, compiled: Any) -> int:
+        """About how much memory a compiled grammar holds; the engine's compiled-grammar
+        cache is bounded by the sum. Backends that can measure it should override this
+        conservative flat estimate."""
+        return DEFAULT_COMPILED_BYTES

@@ -35,6 +35,13 @@ class Tokenizer(ABC):
     def chat_template(self) -> str | None:
         """The model's own Jinja chat template, or None."""
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of control tokens (``<|im_start|>``, end-of-sequence, ...): grammars never
+        let them spell output text. Override when the vocabulary has more than BOS/EOS."""
+        bos = self.bos_token_id
+        return frozenset(self.eos_token_ids) | (frozenset() if bos is None else frozenset({bos}))
+
     @abstractmethod
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -42,9 +42,19 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """OpenAI's ``response_format.json_schema``: the schema sits under ``schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class UsageInfo(BaseModel):
@@ -79,6 +89,7 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     priority: int = 0
     response_format: ResponseFormat | None = None
+    # vLLM's extra: exactly one of json, json_object, regex, choice, grammar; optional backend
     structured_outputs: dict[str, Any] | None = None
 
 

@@ -96,13 +96,8 @@ class OpenAIServing:
                     bias[int(key)] = value
                 except ValueError:
                     raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs:
-            raise APIError(
-                400,
-                "structured outputs need a grammar backend, and this server's engine does not apply one yet",
-                param="response_format" if req.response_format is not None else "structured_outputs",
-            )
         params = SamplingParams(
+            structured_outputs=self.structured_outputs(req),
             n=n,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -154,6 +149,23 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         return stream
+
+    @staticmethod
+    def structured_outputs(req: api.SamplingFields) -> dict[str, Any] | None:
+        """OpenAI's ``response_format`` or vLLM's ``structured_outputs``, as the engine's
+        structured-outputs mapping (checked by SamplingParams.validate)."""
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return req.structured_outputs
+        if req.structured_outputs is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(
+                400, 'response_format type "json_schema" needs json_schema.schema', param="response_format.json_schema"
+            )
+        return {"json": fmt.json_schema.schema_}
 
     # ------------------------------------------------------------------ prompts
 
@@ -207,7 +219,9 @@ class OpenAIServing:
                 )
             return True
         raise APIError(
-            400, "tool_choice 'required' or a named function needs a grammar backend, which this engine does not apply yet", param="tool_choice"
+            400,
+            "tool_choice 'required' or a named function is not supported yet; use 'auto' (with --enable-auto-tool-choice) or 'none'",
+            param="tool_choice",
         )
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:

@@ -188,6 +188,16 @@ class HFTokenizer(Tokenizer):
         return frozenset(ids)
 
     @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The tokenizer's special tokens plus its added tokens marked special."""
+        hf = self.hf_tokenizer
+        ids = {int(i) for i in getattr(hf, "all_special_ids", ())}
+        ids.update(int(i) for i, t in getattr(hf, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+        if self.bos_token_id is not None:
+            ids.add(int(self.bos_token_id))
+        return frozenset(ids | self.eos_token_ids)
+
+    @property
     def bos_token(self) -> str | None:
         return self.hf_tokenizer.bos_token
 

@@ -25,6 +25,11 @@ from pyagent_framework.types import GrammarSpec, TokenizerInfo
 # Several tokenizers may be in use (a draft model's, tests'); each needs its own compiler.
 MAX_COMPILERS = 4
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# xgrammar (0.2.x) writes the characters of length-bounded JSON strings as the class
+# below, which admits raw control characters (U+0000..U+001F) that JSON forbids; its
+# unbounded strings use the strict class. Bounded strings are rewritten to it.
+_LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+_STRICT_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
 class XGrammarBackend(GrammarBackend):
@@ -59,7 +64,7 @@ class XGrammarBackend(GrammarBackend):
         source = _source(spec)
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(source, any_whitespace=False)
+                return compiler.compile_grammar(_json_schema_grammar(source))
             if spec.kind == "json_object":  # an object, as OpenAI's json_object mode promises
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
@@ -73,6 +78,9 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> "XGrammarMatcher":
         return XGrammarMatcher(compiled)
+
+    def memory_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        return int(compiled.memory_size_bytes)
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -101,6 +109,14 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
+
+
+def _json_schema_grammar(schema: str) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    if _LOOSE_STRING_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS))
 
 
 def _source(spec: GrammarSpec) -> str | None:

@@ -82,6 +82,17 @@ def test_json_schema_walks_validate(backend, schema):
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("bound", [{}, {"maxLength": 4}, {"minLength": 1}, {"minLength": 1, "maxLength": 3}])
+def test_json_strings_never_take_raw_control_characters(backend, bound):
+    """JSON forbids raw U+0000..U+001F in strings; xgrammar's own length-bounded string
+    rule admits them, which the plugin corrects."""
+    spec = GrammarSpec("json_schema", {"type": "object", "properties": {"s": {"type": "string", **bound}}, "required": ["s"]})
+    matcher = backend.matcher(backend.compile(spec, INFO))
+    assert matcher.accept_tokens([PIECES.index(c) for c in (b'{"', b"s", b'":', b" ", b'"')])
+    options = {PIECES[t] for t in allowed(matcher)}
+    assert b"a" in options and not options & {b"\t", b"\n", b"\r"}
+
+
 def test_json_object_walks_parse_to_objects(backend):
     for seed in range(10):
         value = json.loads(walk(backend, GrammarSpec("json_object"), seed, stop_bias=0.6))

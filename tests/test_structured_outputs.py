@@ -1,0 +1,376 @@
+"""Structured outputs in the engine, on a tiny random Llama: its tokens are noise, so
+whatever it writes that matches is the grammar's doing. Also the batched mask against
+a per-token reference, spec validation, ``auto`` fallback, the compiled-grammar cache
+bound, compile timeouts, and requests that compile without holding others back."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from pyagent_framework import LLM, SamplingParams, StructuredOutputsParams, registries
+from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.structured import StructuredOutputManager, apply_token_bitmask, bitmask_words
+from pyagent_framework.interfaces import GrammarBackend
+from tests.tiny_models import tiny_checkpoint
+
+PROMPT = "The quick brown fox"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, kv_cache_memory="64MiB", max_model_len=256, grammar_backend="xgrammar")
+
+
+def run(llm, structured, n=1, **params):
+    params = {"max_tokens": 120, "temperature": 0.0, **params}
+    [out] = llm.generate(PROMPT, SamplingParams(n=n, structured_outputs=structured, **params))
+    return out.outputs
+
+
+# ---------------------------------------------------------------- the mask itself
+
+
+def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    for row in range(out.shape[0]):
+        for token in range(out.shape[1]):
+            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                out[row, token] = float("-inf")
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 100), seed=st.integers(0, 2**31 - 1))
+def test_bitmask_matches_a_per_token_reference(rows, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_words(vocab)), generator=gen, dtype=torch.int64).to(torch.int32)
+    expected = reference_mask(logits, bitmask)
+    apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)
+
+
+# ---------------------------------------------------------------- spec validation
+
+BAD_SPECS = [
+    ({}, "structured_outputs", "exactly one"),
+    ({"json": SCHEMA, "regex": "a+"}, "structured_outputs", "exactly one"),
+    ({"jsn": SCHEMA}, "structured_outputs", "unknown key"),
+    ({"json": "{not json"}, "structured_outputs.json", "not valid JSON"),
+    ({"json": [1, 2]}, "structured_outputs.json", "is an object"),
+    ({"json": "x" * 200_000}, "structured_outputs.json", "at most"),
+    ({"json": {"type": "frobnicate"}}, "structured_outputs.json", "invalid JSON schema at type"),
+    ({"json": {"required": "name"}}, "structured_outputs.json", "invalid JSON schema at required"),
+    ({"regex": ""}, "structured_outputs.regex", "non-empty"),
+    ({"regex": 5}, "structured_outputs.regex", "non-empty"),
+    ({"choice": "yes"}, "structured_outputs.choice", "list"),
+    ({"choice": []}, "structured_outputs.choice", "list"),
+    ({"choice": ["ok", ""]}, "structured_outputs.choice", "non-empty"),
+    ({"choice": ["x"] * 2000}, "structured_outputs.choice", "at most"),
+    ({"json_object": "yes"}, "structured_outputs", "true or false"),
+    ({"regex": "a+", "backend": ""}, "structured_outputs.backend", "backend"),
+    ("a+", "structured_outputs", "object"),
+]
+
+
+@pytest.mark.parametrize("spec, param, words", BAD_SPECS, ids=[str(i) for i in range(len(BAD_SPECS))])
+def test_bad_specs_name_the_problem(spec, param, words):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(structured_outputs=spec).validate()
+    assert info.value.param == param
+    assert words in str(info.value)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_json_schema_output_validates_greedy_and_sampled(llm):
+    for params in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}):
+        outputs = run(llm, {"json": SCHEMA}, n=3, **params)
+        for out in outputs:
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "structured, check",
+    [
+        ({"regex": r"[a-c]{2,5}-\d{3}"}, lambda t: re.fullmatch(r"[a-c]{2,5}-\d{3}", t)),
+        ({"choice": ["yes", "no", "yes, no"]}, lambda t: t in ("yes", "no", "yes, no")),
+        ({"grammar": 'root ::= "(" [0-9]+ (", " [0-9]+)* ")"'}, lambda t: re.fullmatch(r"\(\d+(, \d+)*\)", t)),
+    ],
+    ids=["regex", "choice", "grammar"],
+)
+def test_regex_choice_and_grammar_outputs_match(llm, structured, check):
+    for params in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        for out in run(llm, structured, n=4, max_tokens=60, **params):
+            if out.finish_reason == "length":  # unbounded repetition in the grammar: a prefix
+                assert "grammar" in structured
+                continue
+            assert out.finish_reason == "stop"
+            assert check(out.text), out.text
+
+
+def test_json_object_is_an_object_or_cut_by_length(llm):
+    for out in run(llm, {"json_object": True}, n=3, temperature=1.0, seed=1, max_tokens=40):
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+        else:
+            assert out.finish_reason == "length" and out.text.startswith("{")
+
+
+def test_grammar_end_ends_the_output_whatever_ignore_eos_and_min_tokens_say(llm):
+    [out] = run(llm, {"choice": ["alpha", "beta"]}, ignore_eos=True, min_tokens=10, max_tokens=50)
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+
+
+def test_constrained_rows_leave_the_rest_of_the_batch_alone(llm):
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [alone] = llm.generate(PROMPT, plain)
+    constrained = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "[0-9]{12}"})
+    together = llm.generate([PROMPT, PROMPT + " jumps", PROMPT], [constrained, plain.replace(max_tokens=5), plain])
+    assert together[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert re.fullmatch("[0-9]{12}", together[0].outputs[0].text)
+
+
+def test_preempted_constrained_sequences_stay_valid(path):
+    # A KV cache this small forces preemption (recompute); matchers keep their state.
+    small = LLM(path, num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8)
+    outs = small.generate([PROMPT * 4] * 6, SamplingParams(max_tokens=100, temperature=1.0, seed=5, structured_outputs={"json": SCHEMA}))
+    assert small.engine.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_invalid_specs_fail_before_anything_is_queued_and_the_engine_keeps_serving(llm):
+    for spec, words in [({"regex": "(abc"}, "regex"), ({"json": {"properties": {"a": {"type": "integer", "minimum": "0"}}}}, "minimum")]:
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(structured_outputs=spec)])
+        assert words in str(info.value) and info.value.param.startswith("structured_outputs")
+        assert not llm.engine.has_unfinished_requests()
+    assert re.fullmatch("[xy]{3}", run(llm, {"regex": "[xy]{3}"})[0].text)
+
+
+def test_unknown_backend_names_the_installed_ones(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        run(llm, {"regex": "a", "backend": "nope"})
+    assert "nope" in str(info.value) and "xgrammar" in str(info.value)
+
+
+def test_empty_schema_honours_max_tokens(llm):
+    for out in run(llm, {"json": {}}, n=3, temperature=1.0, seed=2, max_tokens=30):
+        if out.finish_reason == "stop":
+            json.loads(out.text)
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 30
+
+
+# ---------------------------------------------------------------- selection, cache, timeouts
+
+
+class FakeBackend(GrammarBackend):
+    """xgrammar underneath, but refuses or fails as told and can be held until a test
+    lets it finish."""
+
+    supported_kinds = frozenset({"regex", "json_schema", "choice"})
+    refuse = False
+    gate: threading.Event | None = None
+
+    def compile(self, spec, tokenizer_info):
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.refuse:
+            raise NotImplementedError(f"{type(self).__name__} refuses")
+        if spec.value == "bad":
+            raise ValueError("bad spec, says the fake")
+        return self._real().compile(spec, tokenizer_info)
+
+    def matcher(self, compiled):
+        return self._real().matcher(compiled)
+
+    @staticmethod
+    def _real() -> GrammarBackend:
+        return registries.grammar_backends.load("xgrammar")()
+
+    def memory_bytes(self, compiled):
+        return 1000
+
+
+class Refuses(FakeBackend):
+    refuse = True
+
+
+@pytest.fixture
+def fakes():
+    names = {"fake-refuses": Refuses, "fake-ok": FakeBackend}
+    for name, cls in names.items():
+        registries.grammar_backends.register(name, cls)
+    yield names
+    for name in names:
+        registries.grammar_backends.unregister(name)
+
+
+class TinyTokenizer:
+    vocab_size = 40
+    eos_token_ids = frozenset({0})
+    special_token_ids = frozenset({0})
+
+    def token_bytes(self, i):
+        return bytes([ord("a") + i % 26]) * (1 + i // 26)
+
+
+def manager(**options) -> StructuredOutputManager:
+    return StructuredOutputManager(TinyTokenizer(), 48, **options)
+
+
+def test_auto_falls_back_past_a_backend_that_refuses(fakes, monkeypatch):
+    monkeypatch.setattr("pyagent_framework.engine.structured.PREFERRED_BACKENDS", ("fake-refuses", "fake-ok"))
+    grammar = manager().submit(StructuredOutputsParams(regex="a+")).result(10)
+    assert grammar.backend_name == "fake-ok"
+    # A wrong spec is wrong for everyone: no fallback, the error names it.
+    with pytest.raises(InvalidRequestError, match="bad spec, says the fake"):
+        manager().submit(StructuredOutputsParams(regex="bad", backend="fake-ok")).result(10)
+    with pytest.raises(InvalidRequestError, match="no grammar backend supports.*Refuses refuses"):
+        manager().submit(StructuredOutputsParams(regex="a+", backend="fake-refuses")).result(10)
+    with pytest.raises(InvalidRequestError, match="does not handle 'grammar'"):
+        manager().submit(StructuredOutputsParams(grammar="root ::= 'a'", backend="fake-ok")).result(10)
+
+
+def test_the_compiled_grammar_cache_stays_under_its_memory_bound():
+    """2,000 distinct schemas through real xgrammar: the cache never exceeds its bound,
+    keeps the most recent, and serves repeats from memory."""
+    limit = 300_000
+    m = manager(default_backend="xgrammar", cache_bytes=limit)
+    sizes = []
+    for i in range(2000):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        m.submit(StructuredOutputsParams(json=schema)).result(30)
+        stats = m.stats()
+        assert stats["grammar_cache_bytes"] <= limit
+        sizes.append(stats["grammar_cache_entries"])
+    stats = m.stats()
+    assert stats["grammar_cache_misses"] == 2000 and stats["grammar_cache_evictions"] > 0
+    assert 1 < stats["grammar_cache_entries"] < 2000
+    last = {"type": "object", "properties": {"k1999": {"type": "integer"}}, "required": ["k1999"]}
+    m.submit(StructuredOutputsParams(json=last)).result(1)
+    assert m.stats()["grammar_cache_hits"] == 1
+
+
+def test_same_spec_compiles_once_while_in_flight(fakes):
+    FakeBackend.gate = threading.Event()
+    try:
+        m = manager(default_backend="fake-ok")
+        first = m.submit(StructuredOutputsParams(regex="a+"))
+        second = m.submit(StructuredOutputsParams(regex="a+"))
+        assert first is second and not first.done()
+        FakeBackend.gate.set()
+        assert first.result(10).backend_name == "fake-ok"
+    finally:
+        FakeBackend.gate = None
+
+
+class WideTokenizer(TinyTokenizer):
+    """20,000 random alphanumeric pieces: enough for a wide regex to compile slowly."""
+
+    vocab_size = 20_000
+    special_token_ids = frozenset({0})
+
+    def __init__(self):
+        rng = random.Random(0)
+        alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789"
+        self.pieces = [b"</s>"] + [bytes(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(self.vocab_size - 1)]
+
+    def token_bytes(self, i):
+        return self.pieces[i]
+
+
+def test_a_pathological_regex_times_out_instead_of_hanging():
+    m = StructuredOutputManager(WideTokenizer(), 20_000, default_backend="xgrammar")
+    m.submit(StructuredOutputsParams(regex="[ab]+")).result(60)  # builds the vocabulary tables
+    m.compile_timeout = 0.2
+    started = time.perf_counter()
+    # Wide bounded repetitions: an automaton of thousands of states, each masked over
+    # the whole vocabulary; seconds of work.
+    with pytest.raises(InvalidRequestError, match="longer than the 0.2 s limit"):
+        m.submit(StructuredOutputsParams(regex="[a-z0-9]{1,2000}x[a-z]{1,2000}y[0-9a-z]{1,2000}z[a-z]{1,2000}")).result(30)
+    assert time.perf_counter() - started < 2
+    assert m.stats()["grammar_compile_timeouts"] == 1
+    assert m.submit(StructuredOutputsParams(regex="[ab]+")).result(30)  # the next one compiles
+
+
+def test_abandoned_compiles_are_capped(fakes):
+    FakeBackend.gate = threading.Event()
+    try:
+        m = manager(default_backend="fake-ok", compile_timeout=0.05)
+        for i in range(4):
+            with pytest.raises(InvalidRequestError, match="longer than"):
+                m.submit(StructuredOutputsParams(regex=f"x{i}")).result(10)
+        with pytest.raises(InvalidRequestError, match="busy with 4 specs"):
+            m.submit(StructuredOutputsParams(regex="y"))
+        FakeBackend.gate.set()  # the stuck compiles end; the compiler takes work again
+        deadline = time.time() + 10
+        while m._abandoned and time.time() < deadline:
+            time.sleep(0.01)
+        assert m.submit(StructuredOutputsParams(regex="y")).result(10).backend_name == "fake-ok"
+    finally:
+        FakeBackend.gate = None
+
+
+def test_a_compiling_request_does_not_hold_back_others(path, fakes):
+    """While one request's grammar compiles, another generates; the first then runs."""
+    FakeBackend.gate = threading.Event()
+    try:
+        engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
+        engine.add_request("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
+        engine.add_request("plain", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        finished = {}
+        for _ in range(10):
+            for out in engine.step():
+                finished[out.request_id] = out
+        assert finished["plain"].finished and "slow" not in finished
+        assert engine.stats()["num_compiling"] == 1
+        FakeBackend.gate.set()
+        deadline = time.time() + 30
+        while engine.has_unfinished_requests() and time.time() < deadline:
+            for out in engine.step():
+                finished[out.request_id] = out
+        assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
+    finally:
+        FakeBackend.gate = None
+
+
+def test_a_request_aborted_while_compiling_is_dropped(path, fakes):
+    FakeBackend.gate = threading.Event()
+    try:
+        engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
+        engine.add_request("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
+        assert engine.abort_request("r").outputs[0].finish_reason == "abort"
+        FakeBackend.gate.set()
+        assert engine.step() == [] and not engine.has_unfinished_requests() and not engine.compiling
+    finally:
+        FakeBackend.gate = None
