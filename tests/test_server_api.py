@@ -154,6 +154,15 @@ def test_structured_outputs_choice_streams_and_regex_completes(client):
     assert re.fullmatch("[A-Z]{2}-[0-9]{4}", choice["text"]) and choice["finish_reason"] == "stop"
 
 
+def test_grammar_cache_shows_in_metrics(client):
+    for _ in range(2):
+        chat(client, structured_outputs={"regex": "[0-9]{3}"}, max_tokens=5)
+    text = client.get("/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("pyagent:grammar_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 1
+    assert "pyagent:grammar_cache_bytes{" in text
+
+
 def test_empty_schema_honours_max_tokens(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "anything", "schema": {}}}
     response = chat(client, response_format=fmt, max_tokens=8, temperature=1.0, seed=0)

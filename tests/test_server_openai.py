@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
 
@@ -24,7 +25,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with server_process("--api-key", KEY, "--max-num-seqs", "64") as s:
+    with server_process("--api-key", KEY, "--max-num-seqs", "64", "--grammar-compile-timeout", "2") as s:
         yield s
 
 
@@ -140,6 +141,53 @@ def test_bad_input_over_http_and_serving_goes_on(server, client):
         got, answer = server.post_json("/v1/completions", payload, auth)
         assert (got, answer["error"]["param"]) == (status, param), (body if isinstance(body, bytes) else list(body), answer)
     assert client.completions.create(model="smollm2", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30},
+                   "population_millions": {"type": "number", "minimum": 0, "maximum": 50}},
+    "required": ["city", "country", "population_millions"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_through_the_sdk(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    reply = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=80, temperature=0, response_format=fmt)
+    data = json.loads(reply.choices[0].message.content)
+    jsonschema.validate(data, CITY)
+    assert data["city"] == "Paris" and reply.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=80, temperature=0, response_format=fmt, stream=True
+    )
+    assert "".join(c.delta.content or "" for chunk in stream for c in chunk.choices) == reply.choices[0].message.content
+    yes_no = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=5, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert yes_no.choices[0].message.content in ("yes", "no")
+
+
+def test_bad_specs_and_a_pathological_regex_are_400s_and_serving_goes_on(server, client):
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 3}}}}, "required"),
+        ({"structured_outputs": {"regex": "[unclosed"}}, "regex"),
+        ({"structured_outputs": {"grammar": "root ::= nothing_defined"}}, "grammar"),
+        # Eight wide repetitions of distinct classes: each state masked over the 49k
+        # vocabulary, about ten seconds of compiling; past the 2 s limit.
+        ({"structured_outputs": {"regex": "".join(f"[a-{chr(ord('z') - i)}0-9]{{1,2000}}" for i in range(8))}}, "2 s limit"),
+    ]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for extra, words in bad:
+        started = time.time()
+        status, answer = server.post_json("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 8, **extra}, auth)
+        assert status == 400 and words in answer["error"]["message"], (extra, answer)
+        assert answer["error"]["param"].startswith(("structured_outputs", "response_format"))
+        assert time.time() - started < 30
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    reply = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=80, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), CITY)
 
 
 def test_fifty_cancelled_streams_and_abandoned_requests_free_their_blocks(server, client):

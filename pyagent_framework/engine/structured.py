@@ -117,6 +117,7 @@ class StructuredOutputManager:
         self._cached_bytes = 0
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
+        self._info_lock = threading.Lock()  # building the vocabulary table must not block submit()
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._abandoned = 0
         self.counters = {"hits": 0, "misses": 0, "timeouts": 0, "evictions": 0, "errors": 0}
@@ -178,6 +179,7 @@ class StructuredOutputManager:
 
     def _run_compile(self, key: tuple, spec: GrammarSpec, names: list[str], future: concurrent.futures.Future) -> None:
         self._slots.acquire()
+        self._tokenizer_info()  # built once, before the clock starts: it is not the spec's cost
         timer = threading.Timer(self.compile_timeout, self._time_out, args=(key, spec, future))
         timer.daemon = True
         timer.start()
@@ -257,7 +259,7 @@ class StructuredOutputManager:
             return backend
 
     def _tokenizer_info(self) -> TokenizerInfo:
-        with self._lock:
+        with self._info_lock:
             if self._info is None:
                 self._info = tokenizer_info(self.tokenizer, self.vocab_size)
             return self._info

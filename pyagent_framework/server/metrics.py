@@ -111,11 +111,17 @@ class _EngineCollector:
         "num_free_kv_blocks": ("num_free_kv_blocks", "KV-cache blocks an allocation can take"),
         "num_kv_blocks": ("num_kv_blocks", "KV-cache blocks in all"),
         "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+        "num_requests_compiling": ("num_compiling", "Requests waiting for their grammar to compile"),
+        "grammar_cache_bytes": ("grammar_cache_bytes", "Memory held by the compiled-grammar cache"),
+        "grammar_cache_entries": ("grammar_cache_entries", "Compiled grammars in the cache"),
     }
     COUNTERS = {
         "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
         "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
         "num_preemptions": ("num_preemptions", "Sequences preempted for lack of KV blocks"),
+        "grammar_cache_hits": ("grammar_cache_hits", "Structured-output specs served from the compiled-grammar cache"),
+        "grammar_cache_misses": ("grammar_cache_misses", "Structured-output specs compiled"),
+        "grammar_compile_timeouts": ("grammar_compile_timeouts", "Grammar compiles that ran past the timeout"),
     }
 
     def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
