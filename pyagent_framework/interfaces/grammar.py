@@ -22,7 +22,8 @@ class GrammarMatcher(ABC):
         """Advance over the tokens; False (and no change) if one is not allowed."""
 
     @abstractmethod
-    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (all clear once terminated)."""
 
     @abstractmethod
     def is_terminated(self) -> bool: ...

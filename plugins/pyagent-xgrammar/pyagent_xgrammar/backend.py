@@ -98,6 +98,9 @@ class XGrammarMatcher(GrammarMatcher):
         return True
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        if self._matcher.is_terminated():  # xgrammar refuses to fill after the end
+            bitmask[row].zero_()
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:

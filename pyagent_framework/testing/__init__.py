@@ -1,0 +1,1 @@
+"""Test kits for plugin authors: subclass a contract in your plugin's tests."""
