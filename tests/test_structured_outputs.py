@@ -167,6 +167,16 @@ def test_preempted_constrained_sequences_stay_valid(path):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
+def test_a_batch_compiles_each_grammar_once_even_when_the_cache_cannot_hold_them(path):
+    tiny_cache = LLM(path, kv_cache_memory="16MiB", max_model_len=128, grammar_cache_memory="1KiB")
+    patterns = [f"[a-c]{{{i}}}x" for i in range(1, 5)]
+    outs = tiny_cache.generate([PROMPT] * 4, [SamplingParams(max_tokens=10, structured_outputs={"regex": p}) for p in patterns])
+    for pattern, out in zip(patterns, outs):
+        assert re.fullmatch(pattern, out.outputs[0].text)
+    stats = tiny_cache.engine.stats()
+    assert stats["grammar_cache_misses"] == 4 and stats["grammar_cache_bytes"] <= 1024
+
+
 def test_invalid_specs_fail_before_anything_is_queued_and_the_engine_keeps_serving(llm):
     for spec, words in [({"regex": "(abc"}, "regex"), ({"json": {"properties": {"a": {"type": "integer", "minimum": "0"}}}}, "minimum")]:
         with pytest.raises(InvalidRequestError) as info:

@@ -78,7 +78,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards the engine: requests vs step vs stats
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, future, loop, queue)
+        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, grammar, future, loop, queue)
         self._aborts: deque[str] = deque()  # ids to abort before the next step
         self._ids = itertools.count()
         self._stopping = False
@@ -113,7 +113,7 @@ class AsyncLLM:
             await asyncio.wrap_future(grammar)
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._adds.append((request_id, prompt, params, cache_salt, added, asyncio.get_running_loop(), queue))
+        self._adds.append((request_id, prompt, params, cache_salt, grammar, added, asyncio.get_running_loop(), queue))
         self._wake.set()
         try:
             await asyncio.wrap_future(added)
@@ -139,10 +139,10 @@ class AsyncLLM:
 
     def _apply_queued(self) -> None:
         while self._adds:
-            request_id, prompt, params, cache_salt, added, loop, queue = self._adds.popleft()
+            request_id, prompt, params, cache_salt, grammar, added, loop, queue = self._adds.popleft()
             try:
                 with self._lock:
-                    self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                    self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, grammar=grammar)
                     self._streams[request_id] = (loop, queue)
             except BaseException as exc:  # bad input: the caller gets the error
                 added.set_exception(exc)
@@ -196,7 +196,7 @@ class AsyncLLM:
     def _fail_all(self, exc: BaseException | None) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}" if exc else "the engine was shut down")
         while self._adds:
-            self._adds.popleft()[4].set_exception(error)
+            self._adds.popleft()[5].set_exception(error)
         with self._lock:
             self._deliver([(request_id, error) for request_id in list(self._streams)])
 

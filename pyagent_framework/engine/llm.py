@@ -56,14 +56,16 @@ class LLM:
         (in parallel) first, so a bad spec raises before anything is queued."""
         prompts = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(prompts))
-        grammars = [g for g in (self.engine.prepare_grammar(p) for p in param_list) if g is not None]
+        # Held here, not looked up again: a batch's grammars may not all fit the cache.
+        grammars = [self.engine.prepare_grammar(p) for p in param_list]
         for grammar in grammars:
-            grammar.result()
+            if grammar is not None:
+                grammar.result()
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, param_list):
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt)
+            for request_id, prompt, p, grammar in zip(ids, prompts, param_list, grammars):
+                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt, grammar=grammar)
                 added.append(request_id)
         except Exception:
             for request_id in added:

@@ -228,11 +228,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        grammar: concurrent.futures.Future | None = None,
     ) -> None:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the
         bad field and leaves the engine unchanged. Requests share cached prefix blocks
         only when their ``cache_salt`` is equal (``None`` included), so a tenant's
-        salt keeps its prompts' KV apart from everyone else's."""
+        salt keeps its prompts' KV apart from everyone else's. ``grammar`` is what
+        :meth:`prepare_grammar` returned for these params (else it is compiled here)."""
         params = (params or SamplingParams()).validate(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
             raise InvalidRequestError(
@@ -272,7 +274,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no logprob
         if params.structured_outputs is not None:
-            request.grammar = self.structured.submit(params.structured_outputs)
+            request.grammar = grammar or self.structured.submit(params.structured_outputs)
         self.requests[request_id] = request
         if request.grammar is not None:
             self.compiling.append(request)
