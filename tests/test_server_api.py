@@ -98,6 +98,8 @@ BAD_INPUT = [
     ("response_format and structured_outputs", "chat", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
     ("unknown grammar backend", "chat", {"structured_outputs": {"regex": "a", "backend": "nope"}}, 400, "structured_outputs.backend"),
     ("empty choice list", "completions", {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
+    ("a kind the chosen backend lacks", "chat", {"structured_outputs": {"grammar": 'root ::= "a"', "backend": "outlines"}}, 400, "structured_outputs"),
+    ("a keyword the chosen backend does not enforce", "chat", {"structured_outputs": {"json": {"type": "integer", "minimum": 3}, "backend": "outlines"}}, 400, "structured_outputs"),
     ("auto tool choice without a parser", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("suffix", "completions", {"suffix": "end"}, 400, "suffix"),
     ("cache_salt too long", "chat", {"cache_salt": "s" * 300}, 400, "cache_salt"),

@@ -1,0 +1,1 @@
+"""pyagent-outlines: the ``outlines`` grammar backend (structured outputs) on outlines-core."""
