@@ -6,7 +6,10 @@ never a bare array or scalar),
 ``regex``, ``choice`` (a list of strings, compiled to an EBNF alternation) and
 ``grammar`` (EBNF in xgrammar's GBNF dialect: ``root ::= ...``). A spec that is wrong
 raises ``ValueError`` naming the problem; a feature xgrammar does not support raises
-``NotImplementedError`` (so ``auto`` can try another backend).
+``NotImplementedError`` (so ``auto`` can try another backend). That includes the
+JSON-schema keywords and the regex constructs xgrammar would silently not enforce:
+:mod:`pyagent_xgrammar.schema` checks a schema first (its ``KEYWORDS`` table says
+what is honoured, rewritten or refused).
 """
 
 from __future__ import annotations
@@ -21,15 +24,11 @@ import xgrammar as xgr
 
 from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
+from pyagent_xgrammar.schema import RegexRefused, normalise_regex, xgrammar_grammar
 
 # Several tokenizers may be in use (a draft model's, tests'); each needs its own compiler.
 MAX_COMPILERS = 4
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-# xgrammar (0.2.x) writes the characters of length-bounded JSON strings as the class
-# below, which admits raw control characters (U+0000..U+001F) that JSON forbids; its
-# unbounded strings use the strict class. Bounded strings are rewritten to it.
-_LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
-_STRICT_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
 class XGrammarBackend(GrammarBackend):
@@ -64,12 +63,18 @@ class XGrammarBackend(GrammarBackend):
         source = _source(spec)
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_grammar(_json_schema_grammar(source))
+                return compiler.compile_grammar(xgrammar_grammar(json.loads(source)))
             if spec.kind == "json_object":  # an object, as OpenAI's json_object mode promises
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
-                return compiler.compile_regex(source)
+                try:
+                    pattern = normalise_regex(source)
+                except RegexRefused as exc:
+                    raise NotImplementedError(f"xgrammar: regex {source!r}: {exc}") from None
+                return compiler.compile_regex(pattern)
             return compiler.compile_grammar(source)  # "grammar", and "choice" as EBNF
+        except NotImplementedError:  # a RuntimeError too: the plugin's own refusals
+            raise
         except RuntimeError as exc:  # xgrammar reports every compile error this way
             message = _first_line(exc)
             if "not supported" in message.lower() or "unsupported" in message.lower():
@@ -112,14 +117,6 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
-
-
-def _json_schema_grammar(schema: str) -> xgr.Grammar:
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
-    text = str(grammar)
-    if _LOOSE_STRING_CHARS not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHARS, _STRICT_STRING_CHARS))
 
 
 def _source(spec: GrammarSpec) -> str | None:

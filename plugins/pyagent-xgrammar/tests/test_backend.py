@@ -4,13 +4,16 @@ rollback, refusals without side effects, errors), plus what is particular to xgr
 
 from __future__ import annotations
 
+import datetime
+import json
 import re
 
+import jsonschema
 import pytest
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import GrammarBackend
-from pyagent_framework.testing.grammar import INFO, GrammarBackendContract, allowed, token
+from pyagent_framework.testing.grammar import EOS, INFO, GrammarBackendContract, allowed, token, walk
 from pyagent_framework.types import GrammarSpec
 
 
@@ -58,3 +61,278 @@ def test_registered_lazily_by_this_distribution():
     assert entry.provider.distribution == "pyagent-xgrammar"
     assert entry.target == "pyagent_xgrammar.backend:XGrammarBackend"
     assert issubclass(registries.grammar_backends.load("xgrammar"), GrammarBackend)
+
+
+# ---------------------------------------------------------------- JSON-schema keywords
+#
+# What xgrammar 0.2.8 enforces was probed with known-invalid instances and random walks
+# (pyagent_xgrammar/schema.py's KEYWORDS table and the README say what came of it). The
+# tables below keep both sides: what is refused, naming the keyword, and what compiles
+# and must then only ever produce valid instances.
+
+_RFC3339_DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+_RFC3339_TIME = re.compile(r"\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+#: jsonschema's format checker, plus date-time and time as RFC 3339 with a real day and
+#: time (jsonschema checks those only with an optional package).
+FORMATS = jsonschema.FormatChecker()
+
+
+@FORMATS.checks("date-time", raises=ValueError)
+def _date_time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    datetime.datetime.fromisoformat(value.upper().replace("Z", "+00:00"))
+    return bool(_RFC3339_DATE_TIME.fullmatch(value))
+
+
+@FORMATS.checks("time", raises=ValueError)
+def _time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    datetime.time.fromisoformat(value.upper().replace("Z", "+00:00"))
+    return bool(_RFC3339_TIME.fullmatch(value))
+
+
+def obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties) if required is None else required,
+            "additionalProperties": False, **extra}
+
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+#: (schema, keyword the refusal names)
+REFUSED = [
+    # strings: lengths dropped next to a format or a pattern
+    ({"type": "string", "format": "date", "maxLength": 5}, "maxLength"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2}, "minLength"),
+    ({"type": "string", "format": "date", "pattern": "^1"}, "pattern"),
+    ({"type": "string", "format": "hostname"}, "format"),
+    ({"type": "string", "format": "idn-hostname"}, "format"),
+    ({"type": "string", "format": "regex"}, "format"),
+    # patterns xgrammar would read otherwise
+    ({"type": "string", "pattern": "^(?=a)[a-z]+$"}, "pattern"),
+    ({"type": "string", "pattern": "^(?<=a)b"}, "pattern"),
+    ({"type": "string", "pattern": "a$b"}, "pattern"),
+    ({"type": "string", "pattern": "x^a"}, "pattern"),
+    ({"type": "string", "pattern": "\\bab"}, "pattern"),
+    ({"type": "string", "pattern": "^ab\\Z"}, "pattern"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "pattern"),
+    ({"type": "string", "pattern": "(?i)^ab$"}, "pattern"),
+    ({"type": "string", "pattern": "^a*+$"}, "pattern"),
+    ({"type": "string", "pattern": "^a\\x00b$"}, "pattern"),
+    ({"type": "string", "pattern": "^[^\\d]$"}, "pattern"),
+    # numbers
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "number", "multipleOf": 2}, "multipleOf"),
+    ({"type": "integer", "multipleOf": 2.5}, "multipleOf"),
+    ({"type": "integer", "minimum": 10**20}, "minimum"),
+    ({"type": "number", "minimum": 0.1234565, "maximum": 0.1234569}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-6}, "exclusiveMinimum"),
+    # arrays
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "maxItems": 3}, "uniqueItems"),
+    ({"type": "array", "items": DIGIT, "contains": {"const": 2}, "maxItems": 3}, "contains"),
+    ({"type": "array", "items": DIGIT, "contains": {"const": 2}, "minContains": 2, "maxItems": 3}, "contains"),
+    ({"type": "array", "items": [{"type": "integer"}, {"type": "string"}]}, "items"),
+    # objects
+    ({"type": "object", "properties": {"a": DIGIT}, "required": ["a", "b"]}, "required"),
+    ({"type": "object", "required": ["x"], "additionalProperties": {"type": "integer"}}, "required"),
+    ({"type": "object", "properties": {"xa": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+    ({"type": "object", "properties": {"abc": DIGIT}, "propertyNames": {"maxLength": 1}}, "propertyNames"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "minProperties"),
+    ({"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
+    ({"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "dependencies": {"a": ["b"]}}, "dependencies"),
+    # combinators
+    ({"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}, "allOf"),
+    ({"type": "integer", "allOf": [{"maximum": 3}]}, "type"),
+    ({"type": "string", "anyOf": [{"maxLength": 2}, {"pattern": "^a+$"}]}, "type"),
+    ({"anyOf": [{"type": "string"}, {"type": "integer"}], "maxLength": 2}, "maxLength"),
+    ({"oneOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]}, "oneOf"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"oneOf": [obj({"a": DIGIT}, required=[]), obj({"b": DIGIT}, required=[])]}, "oneOf"),
+    ({"type": "integer", "minimum": 0, "maximum": 5, "not": {"const": 3}}, "not"),
+    ({"type": "integer", "if": {"maximum": 4}, "then": {"multipleOf": 2}, "else": {"multipleOf": 3}}, "if"),
+    # const and enum ignore their siblings
+    ({"type": "integer", "const": 5, "maximum": 3}, "maximum"),
+    ({"type": "string", "enum": ["a", "abcd"], "maxLength": 2}, "maxLength"),
+    ({"const": 1, "enum": [1, 2]}, "enum"),
+    # references
+    ({"$defs": {"i": DIGIT}, "$ref": "#/$defs/i", "maximum": 3}, "maximum"),
+    ({"$ref": "https://example.com/schema.json"}, "$ref"),
+    ({"$defs": {"i": {"$anchor": "digit", **DIGIT}}, "$ref": "#digit"}, "$ref"),
+    ({"$defs": {"a/b": DIGIT}, "$ref": "#/$defs/a~1b"}, "$ref"),
+    ({"type": "array", "prefixItems": [DIGIT, {"$ref": "#/prefixItems/0"}], "items": False}, "$ref"),
+    ({"$dynamicRef": "#node"}, "$dynamicRef"),
+    ({"$defs": {"i": {"$id": "digit.json", **DIGIT}}, "type": "array", "items": {"$ref": "#/$defs/i"}}, "$id"),
+]
+
+
+@pytest.mark.parametrize("schema, keyword", REFUSED, ids=[f"{i}-{k}" for i, (_, k) in enumerate(REFUSED)])
+def test_schemas_xgrammar_would_not_enforce_are_refused_naming_the_keyword(backend, schema, keyword):
+    with pytest.raises(NotImplementedError) as info:
+        backend.compile(GrammarSpec("json_schema", schema), INFO)
+    message = str(info.value)
+    assert message.startswith("xgrammar: JSON-schema keyword ") and f"{keyword!r}" in message, message
+
+
+def test_a_refusal_names_where_the_keyword_is(backend):
+    schema = obj({"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "maxItems": 2}})
+    with pytest.raises(NotImplementedError, match=re.escape("'uniqueItems' at /properties/tags is not enforced")):
+        backend.compile(GrammarSpec("json_schema", schema), INFO)
+    schema = {"$defs": {"n": obj({"v": {"type": "number", "multipleOf": 0.5}})}, "$ref": "#/$defs/n"}
+    with pytest.raises(NotImplementedError, match=re.escape("'multipleOf' at #/$defs/n/properties/v")):
+        backend.compile(GrammarSpec("json_schema", schema), INFO)
+
+
+def test_a_false_subschema_is_not_supported_but_a_false_root_is_wrong(backend):
+    with pytest.raises(NotImplementedError, match="subschema false at /properties/a"):
+        backend.compile(GrammarSpec("json_schema", {"type": "object", "properties": {"a": False}}), INFO)
+    with pytest.raises(ValueError):
+        backend.compile(GrammarSpec("json_schema", False), INFO)
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ({"$ref": "#/$defs/nope"}, "points nowhere"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers only to itself"),
+    ({"type": "string", "const": 1}, "not of its 'type'"),
+    ({"type": "string", "enum": [1, 2]}, "no value of the enum"),
+])
+def test_schemas_that_are_wrong_raise_value_errors(backend, schema, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        backend.compile(GrammarSpec("json_schema", schema), INFO)
+
+
+#: Schemas xgrammar enforces (some after a rewrite): every walk must validate.
+HONOURED = [
+    # strings
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"type": "string", "pattern": "^[a-c]{1,3}-[0-9]{2}$"},
+    {"type": "string", "pattern": "^x(ab+)?y$"},  # xgrammar's own JSON-string regexes let "xby" through
+    {"type": "string", "pattern": "^(b|b{1,2})$"},  # ... and "bbb"
+    {"type": "string", "pattern": '^a["\\\\\\n]b$'},  # a quote, a backslash or a newline: escaped
+    {"type": "string", "pattern": "^.\\W\\D\\S$"},
+    {"type": "string", "pattern": "[0-9]"},  # unanchored: matched whole, a subset
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "date-time"},
+    {"type": "string", "format": "time"},
+    {"type": "string", "format": "ipv4"},
+    {"type": "string", "format": "ipv6"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "uri"},
+    {"type": "string", "format": "json-pointer"},
+    {"type": "string", "format": "password", "maxLength": 3},  # not a JSON-Schema format: an annotation
+    {"type": ["string", "null"], "maxLength": 3},
+    {"minLength": 2, "maxLength": 3},  # no type: the keywords' own
+    # numbers
+    {"type": "integer", "minimum": 2.5, "maximum": 5.5},  # xgrammar rejects fractional integer bounds
+    {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 3},
+    {"type": "integer", "multipleOf": 3, "minimum": -10, "maximum": 10},
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    {"type": "number", "minimum": -1.5, "maximum": 2.5},
+    {"type": ["integer", "null"], "minimum": 1, "maximum": 3},
+    {"maximum": 3, "minimum": -3},
+    # arrays
+    {"type": "array", "items": DIGIT, "minItems": 1, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": ["x", "y"]}], "items": False},
+    {"type": "array", "prefixItems": [{"type": "boolean"}], "minItems": 2, "maxItems": 3},  # items absent: any
+    {"type": "array", "prefixItems": [{"const": 1}], "unevaluatedItems": {"type": "string", "maxLength": 1}, "maxItems": 3},
+    {"type": "array", "items": DIGIT, "uniqueItems": True, "maxItems": 1},
+    {"type": "array", "items": DIGIT, "contains": {"const": 1}, "minContains": 0, "maxItems": 2},
+    # objects
+    obj({"a": DIGIT, "b": {"type": "boolean"}}, required=["a"]),
+    obj({"a": DIGIT, "b": {"type": "boolean"}}, required=[], minProperties=1, maxProperties=1),
+    {"type": "object", "properties": {"a": DIGIT}, "required": ["a"], "additionalProperties": {"type": "integer", "maximum": 3}},
+    {"type": "object", "patternProperties": {"^x[0-9]$": DIGIT}, "additionalProperties": False},
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]{1,2}$"}, "additionalProperties": DIGIT, "maxProperties": 2},
+    {"type": "object", "properties": {"a": DIGIT}, "unevaluatedProperties": False},
+    # combinators, const, enum, references
+    {"anyOf": [{"type": "string", "maxLength": 2}, DIGIT, {"type": "null"}]},
+    {"oneOf": [{"type": "boolean"}, {"type": "string", "pattern": "^[a-z]{1,4}$"}, {"type": "null"}]},
+    {"oneOf": [obj({"kind": {"const": "circle"}, "r": DIGIT}), obj({"kind": {"const": "square"}, "side": DIGIT})]},
+    {"oneOf": [{"const": 1}, {"const": "1"}, {"enum": [True, None]}]},
+    {"allOf": [DIGIT], "description": "one subschema, annotations beside it", "default": 3},
+    {"type": "string", "enum": ["a", 1, "b"]},  # the 1 can never validate: dropped
+    {"type": "integer", "const": 4, "title": "four"},
+    {"$defs": {"node": obj({"v": DIGIT, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}})}, "$ref": "#/$defs/node"},
+    {"$defs": {"p": DIGIT}, "type": "array", "items": {"$ref": "#/$defs/p", "description": "a digit"}, "maxItems": 3},
+    {"type": "object", "properties": {"a": DIGIT, "b": {"$ref": "#/properties/a"}}, "required": ["a", "b"]},
+    # annotations pass
+    {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://example.com/s", "title": "t",
+     "description": "d", "$comment": "c", "examples": [{"a": 1}], "default": {"a": 1}, "deprecated": False,
+     "readOnly": False, "writeOnly": False, "strict": True, "x-vendor": {"anything": 1}, "nullable": False,
+     **obj({"a": {**DIGIT, "title": "a", "examples": [1]}})},
+]
+
+
+@pytest.mark.parametrize("schema", HONOURED, ids=[str(i) for i in range(len(HONOURED))])
+def test_honoured_schemas_compile_and_their_walks_validate(backend, schema):
+    validator = jsonschema.Draft202012Validator(schema, format_checker=FORMATS)
+    # A string with a format ends on its own; preferring closers (wind_down) would only
+    # loop in it (an email's "1"s before its "@").
+    steps, wind_down = (2000, 2000) if isinstance(schema, dict) and schema.get("type") == "string" else (400, 200)
+    for seed in range(25):
+        text = walk(backend, GrammarSpec("json_schema", schema), seed, max_steps=steps, wind_down=wind_down).decode()
+        errors = [e.message for e in validator.iter_errors(json.loads(text))]
+        assert not errors, (text, errors)
+
+
+def test_honoured_schemas_draw_no_warning_from_xgrammar(backend, capfd):
+    """xgrammar logs what it drops ("ignoring minLength/maxLength", "is ignored"): none of
+    that may be left for a schema the plugin accepts."""
+    for schema in HONOURED:
+        backend.compile(GrammarSpec("json_schema", schema), INFO)
+    logged = capfd.readouterr().err
+    assert not re.search(r"ignor|not supported", logged, re.IGNORECASE), logged
+
+
+def accepts(backend, spec: GrammarSpec, text: str) -> bool:
+    """Whether the grammar takes ``text``, a character a token, and then its end."""
+    matcher = backend.matcher(backend.compile(spec, INFO))
+    return matcher.accept_tokens([token(c.encode()) for c in text] + [EOS])
+
+
+@pytest.mark.parametrize("schema, valid, invalid", [
+    ({"type": "string", "format": "date"}, ["2024-02-29", "2000-02-29", "2023-12-31", "0001-01-01"],
+     ["2023-02-29", "1900-02-29", "2023-02-31", "2023-04-31", "0000-01-01", "2023-13-01"]),
+    ({"type": "string", "format": "date-time"}, ["2023-08-18T14:20:08Z", "2024-02-29T23:59:59.123+05:30"],
+     ["2023-02-31T00:00:00Z", "2023-01-01T00:00:60Z", "2023-01-01T24:00:00Z", "2023-01-01T00:00:00"]),
+    ({"type": "string", "format": "time"}, ["23:59:59Z", "00:00:00.5-12:00"], ["23:59:60Z", "12:00:00"]),
+    ({"type": "string", "format": "ipv4"}, ["0.0.0.0", "255.255.255.255", "10.0.0.1"], ["01.2.3.4", "256.1.1.1", "1.2.3"]),
+    ({"type": "string", "format": "ipv6"}, ["::", "::1", "1:2:3:4:5:6:7:8", "::ffff:1.2.3.4", "fe80::1"],
+     ["::ffff:01.2.3.4", "1::2::3", "12345::", "1:2:3:4:5:6:7:8:9"]),
+    ({"type": "string", "format": "json-pointer"}, ["", "/a~0b/c~1"], ["a", "/a~2"]),
+    # (a random walk rarely ends an email: its quoted local part closes with \" only)
+    ({"type": "string", "format": "email"}, ["a.b@c.io", "x@y"], ["ab", "@b.c", "a@"]),
+    ({"type": "string", "format": "idn-email"}, ["a.b@c.io"], ["ab"]),
+    ({"type": "string", "pattern": "^x(ab+)?y$"}, ["xy", "xaby", "xabbby"], ["xby", "xay"]),
+    ({"type": "string", "pattern": "^(b|b{1,2})$"}, ["b", "bb"], ["bbb", ""]),
+    ({"type": "string", "pattern": '^a"b$'}, ['a\\"b'], ['a"b']),
+    ({"type": "string", "pattern": "^.$"}, ["a", "é"], ["\\n", "\\u000a", '"']),
+])
+def test_rewritten_formats_and_patterns_are_exact(backend, schema, valid, invalid):
+    """Each value as the text between the JSON string's quotes."""
+    spec = GrammarSpec("json_schema", schema)
+    for text in valid:
+        assert accepts(backend, spec, f'"{text}"'), text
+    for text in invalid:
+        assert not accepts(backend, spec, f'"{text}"'), text
+
+
+def test_enum_values_the_type_excludes_are_never_generated(backend):
+    spec = GrammarSpec("json_schema", {"type": "string", "enum": ["a", 1]})
+    assert accepts(backend, spec, '"a"') and not accepts(backend, spec, "1")
+
+
+@pytest.mark.parametrize("pattern, reason", [
+    ("(?=a)a", "lookahead"), ("a$b", "'$' inside"), ("\\Aab", "\\A"), ("a\\x00", "NUL"), ("a++", "possessive"),
+])
+def test_regexes_xgrammar_would_read_otherwise_are_refused(backend, pattern, reason):
+    with pytest.raises(NotImplementedError, match=re.escape(reason)):
+        backend.compile(GrammarSpec("regex", pattern), INFO)
+
+
+def test_a_regex_dot_matches_no_line_terminator(backend):
+    """xgrammar's '.' takes a newline; Python's and ECMA's do not."""
+    spec = GrammarSpec("regex", "a.b")
+    assert accepts(backend, spec, "a-b") and not accepts(backend, spec, "a\nb")
