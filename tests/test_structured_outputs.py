@@ -245,6 +245,15 @@ def fakes():
         registries.grammar_backends.unregister(name)
 
 
+@pytest.fixture
+def gate(fakes):
+    """Holds every fake compile until the test sets it."""
+    FakeBackend.gate = threading.Event()
+    yield FakeBackend.gate
+    FakeBackend.gate.set()  # let abandoned compiles end
+    FakeBackend.gate = None
+
+
 class TinyTokenizer:
     vocab_size = 40
     eos_token_ids = frozenset({0})
@@ -291,17 +300,13 @@ def test_the_compiled_grammar_cache_stays_under_its_memory_bound():
     assert m.stats()["grammar_cache_hits"] == 1
 
 
-def test_same_spec_compiles_once_while_in_flight(fakes):
-    FakeBackend.gate = threading.Event()
-    try:
-        m = manager(default_backend="fake-ok")
-        first = m.submit(StructuredOutputsParams(regex="a+"))
-        second = m.submit(StructuredOutputsParams(regex="a+"))
-        assert first is second and not first.done()
-        FakeBackend.gate.set()
-        assert first.result(10).backend_name == "fake-ok"
-    finally:
-        FakeBackend.gate = None
+def test_same_spec_compiles_once_while_in_flight(gate):
+    m = manager(default_backend="fake-ok")
+    first = m.submit(StructuredOutputsParams(regex="a+"))
+    second = m.submit(StructuredOutputsParams(regex="a+"))
+    assert first is second and not first.done()
+    gate.set()
+    assert first.result(10).backend_name == "fake-ok"
 
 
 class WideTokenizer(TinyTokenizer):
@@ -333,54 +338,42 @@ def test_a_pathological_regex_times_out_instead_of_hanging():
     assert m.submit(StructuredOutputsParams(regex="[ab]+")).result(30)  # the next one compiles
 
 
-def test_abandoned_compiles_are_capped(fakes):
-    FakeBackend.gate = threading.Event()
-    try:
-        m = manager(default_backend="fake-ok", compile_timeout=0.05)
-        for i in range(4):
-            with pytest.raises(InvalidRequestError, match="longer than"):
-                m.submit(StructuredOutputsParams(regex=f"x{i}")).result(10)
-        with pytest.raises(InvalidRequestError, match="busy with 4 specs"):
-            m.submit(StructuredOutputsParams(regex="y"))
-        FakeBackend.gate.set()  # the stuck compiles end; the compiler takes work again
-        deadline = time.time() + 10
-        while m._abandoned and time.time() < deadline:
-            time.sleep(0.01)
-        assert m.submit(StructuredOutputsParams(regex="y")).result(10).backend_name == "fake-ok"
-    finally:
-        FakeBackend.gate = None
+def test_abandoned_compiles_are_capped(gate):
+    m = manager(default_backend="fake-ok", compile_timeout=0.05)
+    for i in range(4):
+        with pytest.raises(InvalidRequestError, match="longer than"):
+            m.submit(StructuredOutputsParams(regex=f"x{i}")).result(10)
+    with pytest.raises(InvalidRequestError, match="busy with 4 specs"):
+        m.submit(StructuredOutputsParams(regex="y"))
+    gate.set()  # the stuck compiles end; the compiler takes work again
+    deadline = time.time() + 10
+    while m._abandoned and time.time() < deadline:
+        time.sleep(0.01)
+    assert m.submit(StructuredOutputsParams(regex="y")).result(10).backend_name == "fake-ok"
 
 
-def test_a_compiling_request_does_not_hold_back_others(path, fakes):
+def test_a_compiling_request_does_not_hold_back_others(path, gate):
     """While one request's grammar compiles, another generates; the first then runs."""
-    FakeBackend.gate = threading.Event()
-    try:
-        engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
-        engine.add_request("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
-        engine.add_request("plain", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        finished = {}
-        for _ in range(10):
-            for out in engine.step():
-                finished[out.request_id] = out
-        assert finished["plain"].finished and "slow" not in finished
-        assert engine.stats()["num_compiling"] == 1
-        FakeBackend.gate.set()
-        deadline = time.time() + 30
-        while engine.has_unfinished_requests() and time.time() < deadline:
-            for out in engine.step():
-                finished[out.request_id] = out
-        assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
-    finally:
-        FakeBackend.gate = None
+    engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
+    engine.add_request("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
+    engine.add_request("plain", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    finished = {}
+    for _ in range(10):
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert finished["plain"].finished and "slow" not in finished
+    assert engine.stats()["num_compiling"] == 1
+    gate.set()
+    deadline = time.time() + 30
+    while engine.has_unfinished_requests() and time.time() < deadline:
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
 
 
-def test_a_request_aborted_while_compiling_is_dropped(path, fakes):
-    FakeBackend.gate = threading.Event()
-    try:
-        engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
-        engine.add_request("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
-        assert engine.abort_request("r").outputs[0].finish_reason == "abort"
-        FakeBackend.gate.set()
-        assert engine.step() == [] and not engine.has_unfinished_requests() and not engine.compiling
-    finally:
-        FakeBackend.gate = None
+def test_a_request_aborted_while_compiling_is_dropped(path, gate):
+    engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
+    engine.add_request("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
+    assert engine.abort_request("r").outputs[0].finish_reason == "abort"
+    gate.set()
+    assert engine.step() == [] and not engine.has_unfinished_requests() and not engine.compiling
