@@ -17,12 +17,14 @@ import atexit
 import concurrent.futures
 import json
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pyagent_framework import registries
@@ -84,6 +86,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ``[batch, vocab]``, ``bitmask`` packed ``int32`` ``[batch, ceil(vocab / 32)]``
     (bit ``t % 32`` of word ``t // 32`` allows token ``t``)."""
     batch, vocab = logits.shape
+    if sys.byteorder == "little" and logits.device.type == "cpu" and logits.is_contiguous():
+        # numpy's single-threaded loops: torch's ops here would each open an OpenMP
+        # region whose spinning workers then slow the next forward pass (2 cores).
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little")
+        np.putmask(logits.numpy(), bits == 0, -np.inf)
+        return
     allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(batch, -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
 
