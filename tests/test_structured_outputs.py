@@ -71,8 +71,12 @@ def test_bitmask_matches_a_per_token_reference(rows, vocab, seed):
     logits = torch.randn(rows, vocab, generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_words(vocab)), generator=gen, dtype=torch.int64).to(torch.int32)
     expected = reference_mask(logits, bitmask)
-    apply_token_bitmask(logits, bitmask)
+    strided = logits.t().contiguous().t()  # same values, not contiguous: the torch path
+    assert not strided.is_contiguous() or rows == 1 or vocab == 1
+    apply_token_bitmask(logits, bitmask)  # contiguous: the numpy path
     assert torch.equal(logits, expected)
+    apply_token_bitmask(strided, bitmask)
+    assert torch.equal(strided, expected)
 
 
 # ---------------------------------------------------------------- spec validation
