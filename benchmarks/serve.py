@@ -45,6 +45,8 @@ import sys
 import threading
 import time
 
+from machine_load import OtherLoad, percentile  # benchmarks/, the script's own folder
+
 OVERHEAD_GOAL = 0.15
 WARMUP_TOKENS = 4
 # Engine options passed to both the server (as flags) and LLM(...) (as keywords).
@@ -69,48 +71,6 @@ def warmup_prompts(count: int) -> list[str]:
     # One full-width batch of short requests: the first prefill and decode of the batch's
     # shapes, not timed. Different prompts from the timed ones.
     return [f"Warm-up {i}: hello" for i in range(count)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (q in 0..100)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _proc_stat() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs, from /proc/stat; None where it is missing."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields) - idle, sum(fields)
-
-
-class OtherLoad:
-    """CPU used by processes other than this one and its (reaped) children between
-    ``start()`` and ``stop()``, as a share of the whole machine: other work on the box
-    (tests, builds) that skews the figures. Read it once the children have exited."""
-
-    def start(self) -> "OtherLoad":
-        self.stat0, self.times0 = _proc_stat(), os.times()
-        return self
-
-    def stop(self) -> float | None:
-        stat1, times1 = _proc_stat(), os.times()
-        if self.stat0 is None or stat1 is None:
-            return None
-        ticks = os.sysconf("SC_CLK_TCK")
-        ours = sum(getattr(times1, k) - getattr(self.times0, k) for k in ("user", "system", "children_user", "children_system"))
-        busy = (stat1[0] - self.stat0[0]) / ticks
-        total = (stat1[1] - self.stat0[1]) / ticks
-        return max(busy - ours, 0.0) / max(total, 1e-9)
 
 
 def serve_flags(model: str, engine_args: dict) -> list[str]:

@@ -63,6 +63,7 @@ import time
 from functools import wraps
 
 import torch
+from machine_load import OtherLoad, percentile  # benchmarks/, the script's own folder
 
 VOCAB_SIZE = 49152
 SLOWDOWN_GOAL = 0.10
@@ -190,48 +191,6 @@ def decode_prompts(count: int) -> list[list[dict]]:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (q in 0..100)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _proc_stat() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs, from /proc/stat; None where it is missing."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields) - idle, sum(fields)
-
-
-class OtherLoad:
-    """Share of the machine's CPU used by other processes between start() and stop()
-    (as in benchmarks/serve.py), plus the load averages at both ends."""
-
-    def start(self) -> "OtherLoad":
-        self.stat0, self.times0, self.loadavg0 = _proc_stat(), os.times(), os.getloadavg()
-        return self
-
-    def stop(self) -> dict:
-        stat1, times1 = _proc_stat(), os.times()
-        share = None
-        if self.stat0 is not None and stat1 is not None:
-            ticks = os.sysconf("SC_CLK_TCK")
-            ours = sum(getattr(times1, k) - getattr(self.times0, k) for k in ("user", "system"))
-            busy = (stat1[0] - self.stat0[0]) / ticks
-            total = (stat1[1] - self.stat0[1]) / ticks
-            share = max(busy - ours, 0.0) / max(total, 1e-9)
-        return {"other_cpu_share": share, "loadavg_start": self.loadavg0, "loadavg_end": os.getloadavg()}
 
 
 def describe_load(phase: str, load: dict) -> str:
@@ -530,7 +489,7 @@ def bench_decode(backend_names: list[str], batches: list[int], max_tokens: int, 
                     "phases_ms": timer.per_step_ms(), "steps": timer.steps,
                     "sample": outputs[0].outputs[0].text[:100],
                 })
-        entry = {"batch": batch, "load": load.stop(), "arms": {}}
+        entry = {"batch": batch, "load": load.report(), "arms": {}}
         for arm, rs in runs.items():
             entry["arms"][arm] = {
                 "tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
@@ -634,7 +593,7 @@ def main() -> None:
         print("(1) grammar masks on the SmolLM2 tokenizer ...", flush=True)
         load = OtherLoad().start()
         summary["masks"] = bench_masks(backends, batches, args.walks)
-        summary["masks"]["load"] = load.stop()
+        summary["masks"]["load"] = load.report()
         print_masks(summary["masks"])
         print(describe_load("(1)", summary["masks"]["load"]), flush=True)
     if not args.skip_decode:
