@@ -110,7 +110,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer,
             self.vocab_size,
-            default_backend=config.grammar_backend,
+            default_backend=self.grammar_backend,
             cache_bytes=grammar_cache_bytes,
             compile_timeout=config.grammar_compile_timeout,
         )

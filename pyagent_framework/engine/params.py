@@ -40,6 +40,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     backend: str | None = None
+    _spec: GrammarSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def coerce(cls, value: Any) -> "StructuredOutputsParams":
@@ -51,7 +52,7 @@ class StructuredOutputsParams:
                 f"structured_outputs must be an object such as {{\"json\": {{...}}}}, got {type(value).__name__}",
                 param="structured_outputs",
             )
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(str(k) for k in value if k not in names)
         if unknown:
             raise InvalidRequestError(
@@ -63,7 +64,13 @@ class StructuredOutputsParams:
 
     def spec(self) -> GrammarSpec:
         """The one constraint as a :class:`GrammarSpec`, checked for shape and size;
-        raises :class:`InvalidRequestError` naming the problem."""
+        raises :class:`InvalidRequestError` naming the problem. Checked once (a JSON
+        schema against its metaschema included); later calls return the same spec."""
+        if self._spec is None:
+            object.__setattr__(self, "_spec", self._build_spec())
+        return self._spec
+
+    def _build_spec(self) -> GrammarSpec:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if self.json_object not in (True, False):
             _fail("json_object must be true or false")

@@ -128,7 +128,9 @@ class StructuredOutputManager:
         self._info_lock = threading.Lock()  # building the vocabulary table must not block submit()
         self._slots = threading.Semaphore(MAX_CONCURRENT_COMPILES)
         self._abandoned = 0
-        self.counters = {"hits": 0, "misses": 0, "timeouts": 0, "evictions": 0, "errors": 0}
+        self.counters = dict.fromkeys(
+            ("grammar_cache_hits", "grammar_cache_misses", "grammar_cache_evictions", "grammar_compile_timeouts", "grammar_compile_errors"), 0
+        )
 
     # ------------------------------------------------------------------ compiling
 
@@ -141,7 +143,7 @@ class StructuredOutputManager:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
-                self.counters["hits"] += 1
+                self.counters["grammar_cache_hits"] += 1
                 return _done(grammar)
             future = self._pending.get(key)
             if future is not None:
@@ -152,7 +154,7 @@ class StructuredOutputManager:
                     f"{self.compile_timeout:g} s compile timeout; try again later",
                     param="structured_outputs",
                 )
-            self.counters["misses"] += 1
+            self.counters["grammar_cache_misses"] += 1
             future = concurrent.futures.Future()
             self._pending[key] = future
         thread = threading.Thread(
@@ -207,7 +209,7 @@ class StructuredOutputManager:
                 if result is not None:
                     self._store(key, result)
                 else:
-                    self.counters["errors"] += 1
+                    self.counters["grammar_compile_errors"] += 1
         if timed_out:
             logger.warning("a grammar compile that had timed out ended after %.1f s", time.perf_counter() - started)
         elif error is not None:
@@ -221,7 +223,7 @@ class StructuredOutputManager:
                 return
             del self._pending[key]
             self._abandoned += 1
-            self.counters["timeouts"] += 1
+            self.counters["grammar_compile_timeouts"] += 1
             self._slots.release()  # the abandoned thread no longer counts against the limit
         future.set_exception(
             InvalidRequestError(
@@ -283,7 +285,7 @@ class StructuredOutputManager:
         while self._cached_bytes > self.cache_bytes:
             _, evicted = self._cache.popitem(last=False)
             self._cached_bytes -= evicted.nbytes
-            self.counters["evictions"] += 1
+            self.counters["grammar_cache_evictions"] += 1
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -291,8 +293,7 @@ class StructuredOutputManager:
                 "grammar_cache_entries": len(self._cache),
                 "grammar_cache_bytes": self._cached_bytes,
                 "grammar_compiling": len(self._pending),
-                **{f"grammar_cache_{k}" if k in ("hits", "misses", "evictions") else f"grammar_compile_{k}": v
-                   for k, v in self.counters.items()},
+                **self.counters,
             }
 
     # ------------------------------------------------------------------ masks
