@@ -1,0 +1,282 @@
+"""Conformance suites for tool-call and reasoning parsers, to subclass in a plugin's tests.
+
+```python
+from pyagent_framework.testing.parsers import ToolParserContract
+
+class TestMyParser(ToolParserContract):
+    parser_name = "my_format"
+    samples = ["text <call>{...}</call> more", ...]   # realistic outputs of the model
+    pieces = ["<call>", "</call>", '{"name": "f"', ...]  # the format's building blocks
+```
+
+For every sample, and for every prefix of it (an output cut off by ``max_tokens``),
+streaming the text in any chunking (one character at a time, word-like tokens,
+random splits) and then calling ``finish_streaming`` joins to exactly what
+``extract`` gives: content concatenated (None when nothing but whitespace was sent
+and ``extract`` says None), calls by index with the same names and arguments, ids
+non-empty and unique. Hypothesis then does the same on arbitrary text built from
+``pieces`` and unicode, which must never raise; and 500 KB of each piece repeated
+must parse in linear time (:func:`check_linear`; ``benchmarks/parsers.py`` reports
+the real figures).
+
+The reasoning suite checks the same for ``(reasoning, content)``; ``prompts`` are
+prompt texts the parser is prepared with (a chat template may open the reasoning
+section in the prompt), encoded one token per character.
+
+Needs ``pytest`` and ``hypothesis``. Token ids passed while streaming are one per
+character of the text, so parsers keyed on text work unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyagent_framework import registries
+from pyagent_framework.interfaces import ReasoningParser, ToolParser
+
+ADVERSARIAL_BYTES = 500_000
+LINEAR_BOUND_S = 1.0
+
+
+class CharTokenizer:
+    """One token per character (id = code point): enough for parsers that decode ids."""
+
+    eos_token_ids = frozenset()
+    bos_token_id = None
+    special_token_ids = frozenset()
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def word_cuts(text: str) -> list[int]:
+    """Cut points between word-like tokens, as a BPE tokenizer roughly makes them."""
+    return [m.start() for m in re.finditer(r" ?\w+| ?[^\w\s]+|\s+", text)][1:]
+
+
+def chunkings(text: str, seeds: int = 6) -> list[list[int]]:
+    """Cut-point lists: none, every character, word-like tokens, and random splits."""
+    out = [[], list(range(1, len(text))), word_cuts(text)]
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        if len(text) > 1:
+            out.append(sorted(rng.sample(range(1, len(text)), rng.randint(1, min(len(text) - 1, 40)))))
+    return out
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def check_linear(parse, pieces: Sequence[str]) -> None:
+    """``parse`` of each piece repeated to 500 KB takes under 1 s, or under 25 times
+    its time on a tenth as much (a loaded machine slows both alike; a quadratic scan
+    takes 100 times as long)."""
+    for piece in pieces:
+        if not piece:
+            continue
+        times = []
+        for size in (ADVERSARIAL_BYTES // 10, ADVERSARIAL_BYTES):
+            text = (piece * (size // len(piece) + 1))[:size]
+            began = time.perf_counter()
+            parse(text)
+            times.append(time.perf_counter() - began)
+        small, big = times
+        assert big < max(LINEAR_BOUND_S, 25 * small), f"{piece[:30]!r} repeated: {small:.3f}s for 50 KB, {big:.2f}s for 500 KB"
+
+
+# ---------------------------------------------------------------------- tool parsers
+
+
+def tool_result(parser: ToolParser, text: str, request: Any = None):
+    """``extract`` as (content, [(name, arguments)], ids)."""
+    result = parser.extract(text, request)
+    calls = [(c.name, c.arguments) for c in result.tool_calls]
+    return result.content, calls, [c.id for c in result.tool_calls]
+
+
+def stream_tools(parser: ToolParser, text: str, cuts: Sequence[int], request: Any = None):
+    """Stream ``text`` cut at ``cuts`` then finish; the joined (content, calls, ids)."""
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+
+    def take(delta) -> None:
+        if delta is None:
+            return
+        content.append(delta.content or "")
+        for d in delta.tool_calls:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or d.id
+            call["name"] = call["name"] or d.name
+            call["arguments"] += d.arguments or ""
+
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        if a == b:
+            continue
+        take(parser.extract_streaming(text[:a], text[:b], text[a:b], _ids(text[:a]), _ids(text[:b]), _ids(text[a:b]), request))
+    take(parser.finish_streaming(text, request))
+    ordered = [calls[i] for i in sorted(calls)]
+    assert sorted(calls) == list(range(len(calls))), f"call indexes are not 0..n-1: {sorted(calls)}"
+    return "".join(content) or None, [(c["name"], c["arguments"]) for c in ordered], [c["id"] for c in ordered]
+
+
+def check_tool_streaming(make, text: str, cuts: Sequence[int], request: Any = None) -> None:
+    content, calls, ids = tool_result(make(), text, request)
+    s_content, s_calls, s_ids = stream_tools(make(), text, cuts, request)
+    assert (s_content, s_calls) == (content, calls), f"streaming {text!r} cut at {list(cuts)} differs from extract"
+    for group in (ids, s_ids):
+        assert all(isinstance(i, str) and i for i in group) and len(set(group)) == len(group), f"call ids: {group}"
+
+
+class ToolParserContract:
+    parser_name: str = ""
+    #: Realistic outputs of the model family (calls, text around them, malformed calls).
+    samples: Sequence[str] = ()
+    #: The format's building blocks (markers, JSON fragments), for generated text.
+    pieces: Sequence[str] = ()
+    #: The chat request the samples answer (``tools`` for formats that need schemas).
+    request: Any = None
+
+    def make(self) -> ToolParser:
+        return registries.tool_parsers.load(self.parser_name)(None)
+
+    def test_is_a_tool_parser(self):
+        assert isinstance(self.make(), ToolParser)
+
+    def test_some_sample_has_calls(self):
+        assert any(tool_result(self.make(), s, self.request)[1] for s in self.samples), "no sample parses to a call"
+
+    def test_streaming_equals_extract_in_every_chunking(self):
+        for text in self.samples:
+            for cuts in chunkings(text):
+                check_tool_streaming(self.make, text, cuts, self.request)
+
+    def test_cut_off_outputs_stream_like_extract(self):
+        rng = random.Random(0)
+        for text in self.samples:
+            for end in sorted(set(rng.sample(range(len(text) + 1), min(len(text) + 1, 12)))):
+                prefix = text[:end]
+                check_tool_streaming(self.make, prefix, list(range(1, len(prefix))), self.request)
+                check_tool_streaming(self.make, prefix, word_cuts(prefix), self.request)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def test_arbitrary_text_never_raises_and_streams_like_extract(self, data):
+        pieces = list(self.pieces) or ["{"]
+        parts = data.draw(st.lists(st.one_of(st.sampled_from(pieces), st.text(max_size=8)), max_size=14))
+        text = "".join(parts)
+        cuts = data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=10)) if len(text) > 1 else []
+        check_tool_streaming(self.make, text, cuts, self.request)
+
+    def test_adversarial_500kb_parses_in_linear_time(self):
+        check_linear(lambda text: self.make().extract(text, self.request), [*self.pieces, *self.samples[:2]])
+
+
+# ---------------------------------------------------------------------- reasoning parsers
+
+
+def reasoning_result(parser: ReasoningParser, text: str, request: Any = None):
+    split = parser.extract(text, request)
+    return split.reasoning_content, split.content
+
+
+def stream_reasoning(parser: ReasoningParser, text: str, cuts: Sequence[int]):
+    reasoning: list[str] = []
+    content: list[str] = []
+
+    def take(delta) -> None:
+        if delta is not None:
+            assert not delta.tool_calls
+            reasoning.append(delta.reasoning_content or "")
+            content.append(delta.content or "")
+
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        if a < b:
+            take(parser.extract_streaming(text[:a], text[:b], text[a:b], _ids(text[:a]), _ids(text[:b]), _ids(text[a:b])))
+    take(parser.finish_streaming(text))
+    return "".join(reasoning) or None, "".join(content) or None
+
+
+class ReasoningParserContract:
+    parser_name: str = ""
+    samples: Sequence[str] = ()
+    pieces: Sequence[str] = ()
+    #: Prompt texts to prepare the parser with ("" = the template opened nothing).
+    prompts: Sequence[str] = ("",)
+    request: Any = None
+
+    def make(self, prompt: str = "") -> ReasoningParser:
+        tokenizer = CharTokenizer()
+        parser = registries.reasoning_parsers.load(self.parser_name)(tokenizer)
+        parser.prepare(tokenizer.encode(prompt), self.request)
+        return parser
+
+    def check(self, text: str, cuts: Sequence[int], prompt: str) -> None:
+        expected = reasoning_result(self.make(prompt), text, self.request)
+        got = stream_reasoning(self.make(prompt), text, cuts)
+        assert got == expected, f"streaming {text!r} cut at {list(cuts)} after prompt {prompt!r} differs from extract"
+
+    def test_is_a_reasoning_parser(self):
+        assert isinstance(self.make(), ReasoningParser)
+
+    def test_some_sample_has_reasoning(self):
+        assert any(reasoning_result(self.make(p), s, self.request)[0] for s in self.samples for p in self.prompts)
+
+    def test_streaming_equals_extract_in_every_chunking(self):
+        for prompt in self.prompts:
+            for text in self.samples:
+                for cuts in chunkings(text):
+                    self.check(text, cuts, prompt)
+
+    def test_cut_off_outputs_stream_like_extract(self):
+        rng = random.Random(0)
+        for prompt in self.prompts:
+            for text in self.samples:
+                for end in sorted(set(rng.sample(range(len(text) + 1), min(len(text) + 1, 12)))):
+                    self.check(text[:end], list(range(1, end)), prompt)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def test_arbitrary_text_never_raises_and_streams_like_extract(self, data):
+        pieces = list(self.pieces) or ["<"]
+        text = "".join(data.draw(st.lists(st.one_of(st.sampled_from(pieces), st.text(max_size=8)), max_size=14)))
+        cuts = data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=10)) if len(text) > 1 else []
+        prompt = data.draw(st.sampled_from(list(self.prompts)))
+        self.check(text, cuts, prompt)
+
+    def test_is_reasoning_end_agrees_with_extract(self):
+        """Once ``extract`` of a sample has content after reasoning, the whole
+        sample's ids must report the reasoning over."""
+        for prompt in self.prompts:
+            for text in self.samples:
+                reasoning, content = reasoning_result(self.make(prompt), text, self.request)
+                if reasoning and content:
+                    assert self.make(prompt).is_reasoning_end(_ids(text)), f"{text!r} after {prompt!r}"
+
+    def test_adversarial_500kb_parses_in_linear_time(self):
+        check_linear(lambda text: self.make().extract(text, self.request), [*self.pieces, *self.samples[:2]])
+
+
+__all__ = [
+    "CharTokenizer",
+    "ReasoningParserContract",
+    "ToolParserContract",
+    "check_linear",
+    "check_tool_streaming",
+    "chunkings",
+    "stream_reasoning",
+    "stream_tools",
+    "word_cuts",
+]
