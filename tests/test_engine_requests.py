@@ -128,6 +128,15 @@ def test_stop_token_ids(llm):
     first = tokens.index(tokens[2])
     assert stopped.outputs[0].token_ids == tokens[: first + 1]
     assert stopped.outputs[0].stop_reason == tokens[2] and stopped.outputs[0].finish_reason == "stop"
+    # The stopping token is not text (as with end-of-sequence), special tokens kept or
+    # not, unless include_stop_str_in_output asks for it.
+    decode = llm.engine.tokenizer.decode
+    for keep_special in (True, False):
+        params = base.replace(stop_token_ids=[tokens[2]], skip_special_tokens=not keep_special)
+        [out] = llm.generate(PROMPT, params)
+        assert out.outputs[0].text == decode(tokens[:first], skip_special_tokens=not keep_special)
+        [out] = llm.generate(PROMPT, params.replace(include_stop_str_in_output=True))
+        assert out.outputs[0].text == decode(tokens[: first + 1], skip_special_tokens=not keep_special)
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):

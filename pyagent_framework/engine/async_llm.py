@@ -9,7 +9,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
 from pyagent_framework.engine.errors import InvalidRequestError
@@ -78,7 +78,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards the engine: requests vs step vs stats
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, grammar, future, loop, queue)
+        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, grammar, reasoning_end, future, loop, queue)
         self._aborts: deque[str] = deque()  # ids to abort before the next step
         self._ids = itertools.count()
         self._stopping = False
@@ -101,10 +101,11 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        reasoning_end: Callable[[], Callable[[Seq[int]], bool]] | None = None,
     ) -> RequestStream:
         """Queue a request (raising InvalidRequestError at once for bad input) and
         return a :class:`RequestStream` of its outputs; closing it early aborts it.
-        ``cache_salt``: see :meth:`LLMEngine.add_request`."""
+        ``cache_salt``, ``reasoning_end``: see :meth:`LLMEngine.add_request`."""
         if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -113,7 +114,7 @@ class AsyncLLM:
             await asyncio.wrap_future(grammar)
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._adds.append((request_id, prompt, params, cache_salt, grammar, added, asyncio.get_running_loop(), queue))
+        self._adds.append((request_id, prompt, params, cache_salt, grammar, reasoning_end, added, asyncio.get_running_loop(), queue))
         self._wake.set()
         try:
             await asyncio.wrap_future(added)
@@ -139,10 +140,12 @@ class AsyncLLM:
 
     def _apply_queued(self) -> None:
         while self._adds:
-            request_id, prompt, params, cache_salt, grammar, added, loop, queue = self._adds.popleft()
+            request_id, prompt, params, cache_salt, grammar, reasoning_end, added, loop, queue = self._adds.popleft()
             try:
                 with self._lock:
-                    self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt, grammar=grammar)
+                    self.engine.add_request(
+                        request_id, prompt, params, cache_salt=cache_salt, grammar=grammar, reasoning_end=reasoning_end
+                    )
                     self._streams[request_id] = (loop, queue)
             except BaseException as exc:  # bad input: the caller gets the error
                 added.set_exception(exc)

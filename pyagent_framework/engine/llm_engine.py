@@ -6,7 +6,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,12 +229,18 @@ class LLMEngine:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
         grammar: concurrent.futures.Future | None = None,
+        reasoning_end: Callable[[], Callable[[Seq[int]], bool]] | None = None,
     ) -> None:
         """Validate and queue a request; raises :class:`InvalidRequestError` naming the
         bad field and leaves the engine unchanged. Requests share cached prefix blocks
         only when their ``cache_salt`` is equal (``None`` included), so a tenant's
         salt keeps its prompts' KV apart from everyone else's. ``grammar`` is what
-        :meth:`prepare_grammar` returned for these params (else it is compiled here)."""
+        :meth:`prepare_grammar` returned for these params (else it is compiled here).
+
+        ``reasoning_end`` makes a structured-output grammar constrain only the answer
+        after the model's reasoning: called once per sequence, it returns a predicate
+        (a reasoning parser's ``is_reasoning_end``) over the output token ids so far;
+        tokens are unconstrained until it first holds."""
         params = (params or SamplingParams()).validate(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
             raise InvalidRequestError(
@@ -268,6 +274,10 @@ class LLMEngine:
                 seq.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + index) % 2**63)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if reasoning_end is not None and params.structured_outputs is not None:
+                seq.reasoning_end = reasoning_end()
+                if seq.reasoning_end(()):
+                    seq.reasoning_end = None  # nothing to wait for
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             seqs.append(seq)
         request = Request(request_id, text, list(ids), params, seqs, RequestMetrics(arrival_time=now))
@@ -345,7 +355,7 @@ class LLMEngine:
         now = time.time()
         self._record_prompt_logprobs(logits)
         if logits.sample_seqs:
-            matchers = [seq.matcher for seq in logits.sample_seqs]
+            matchers = [seq.matcher if seq.reasoning_end is None else None for seq in logits.sample_seqs]
             if any(m is not None for m in matchers):
                 self.structured.apply_masks(logits.sample_logits, matchers)
             results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
@@ -408,7 +418,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, result: SampleResult, now: float) -> None:
         params = seq.params
         token = result.token_id
-        if seq.matcher is not None and not seq.matcher.accept_tokens([token]):
+        constrained = seq.matcher is not None and seq.reasoning_end is None
+        if constrained and not seq.matcher.accept_tokens([token]):
             # Only a token the mask allowed can be sampled; if the backend disagrees
             # with its own mask, end this sequence rather than emit unconstrained text.
             logger.error("grammar refused token %d it had allowed (request %s)", token, seq.request_id)
@@ -420,17 +431,24 @@ class LLMEngine:
         if seq.logprobs is not None and result.top_logprobs is not None:
             seq.logprobs.append(result.top_logprobs)
             seq.cumulative_logprob += result.logprob
-        delta = seq.detokenizer.add(token)
-        seq.output_text += delta
         num_out = seq.num_output_tokens
         can_stop = num_out >= params.min_tokens
+        # A token that ends the sequence (end-of-sequence, a stop token id) is not
+        # part of the text, even when special tokens are kept.
+        ends = (can_stop and not params.ignore_eos and token in self.eos_token_ids) or (
+            can_stop and token in (params.stop_token_ids or ())
+        ) or (constrained and token in self.eos_token_ids and seq.matcher.is_terminated())
+        delta = "" if ends and not params.include_stop_str_in_output else seq.detokenizer.add(token)
+        seq.output_text += delta
 
         if can_stop and delta:
             stop = self._cut_at_stop(seq, len(delta))
             if stop is not None:
                 self._finish(seq, "stop", now, stop)
                 return
-        if seq.matcher is not None and seq.matcher.is_terminated():
+        if seq.reasoning_end is not None and seq.reasoning_end(seq.token_ids[seq.num_prompt_tokens :]):
+            seq.reasoning_end = None  # the grammar constrains the tokens from here on
+        if constrained and seq.matcher.is_terminated():
             self._finish(seq, "stop", now)  # the grammar ended (on an end-of-sequence token)
         elif can_stop and not params.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, "stop", now)

@@ -57,6 +57,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     detokenizer: Any = None
     matcher: Any = None  # GrammarMatcher of a structured-output request
+    reasoning_end: Any = None  # while set, the model reasons unconstrained; see LLMEngine.add_request
 
     @property
     def num_tokens(self) -> int:
