@@ -1,0 +1,1 @@
+"""pyagent-parsers: tool-call and reasoning parsers for the formats model families emit."""

@@ -1,0 +1,33 @@
+"""Hook implementations of pyagent-parsers. Entries are lazy ``"module:Class"``
+strings: listing plugins imports none of the parsers."""
+
+from pyagent_framework import hookimpl
+
+PYAGENT_API = ">=1.0,<2"
+
+TOOL_PARSERS = {
+    "hermes": ("pyagent_parsers.tools.hermes:HermesToolParser", "Hermes 2 Pro / Qwen2.5: <tool_call>{json}</tool_call>"),
+    "llama3_json": ("pyagent_parsers.tools.llama3_json:Llama3JsonToolParser", 'Llama 3.1-3.3: {"name": ..., "parameters": {...}}'),
+    "mistral": ("pyagent_parsers.tools.mistral:MistralToolParser", "Mistral: [TOOL_CALLS][{...}] and [TOOL_CALLS]name[ARGS]{...}"),
+    "pythonic": ("pyagent_parsers.tools.pythonic:PythonicToolParser", 'Llama 3.2/4 pythonic: [f(a=1), g(b="x")]'),
+    "qwen3_xml": ("pyagent_parsers.tools.qwen3_xml:Qwen3XmlToolParser", "Qwen3-Coder: <tool_call><function=f><parameter=a>..."),
+    "deepseek_v3": ("pyagent_parsers.tools.deepseek_v3:DeepSeekV3ToolParser", "DeepSeek V3/R1: <｜tool▁calls▁begin｜>..."),
+}
+
+REASONING_PARSERS = {
+    "deepseek_r1": ("pyagent_parsers.reasoning.deepseek_r1:DeepSeekR1ReasoningParser", "DeepSeek R1: reasoning up to </think>"),
+    "qwen3": ("pyagent_parsers.reasoning.qwen3:Qwen3ReasoningParser", "Qwen3: <think>...</think>, opening tag in the output or the prompt"),
+    "granite": ("pyagent_parsers.reasoning.granite:GraniteReasoningParser", "Granite 3.2: Here is my thought process: ... Here is my response:"),
+}
+
+
+@hookimpl
+def pyagent_register_tool_parsers(register):
+    for name, (target, description) in TOOL_PARSERS.items():
+        register(name, target, description=description)
+
+
+@hookimpl
+def pyagent_register_reasoning_parsers(register):
+    for name, (target, description) in REASONING_PARSERS.items():
+        register(name, target, description=description)

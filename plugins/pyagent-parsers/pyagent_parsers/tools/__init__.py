@@ -1,0 +1,1 @@
+"""Tool-call parsers, one module per model family's format."""

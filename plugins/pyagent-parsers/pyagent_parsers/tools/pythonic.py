@@ -1,0 +1,198 @@
+"""``pythonic``: Llama 3.2 / 3.3 / Llama 4 calls written as a Python list of calls.
+
+```
+[get_weather(city="Paris", days=3), search(q='café "au lait"', filters={"lang": ["fr"]})]
+```
+
+Llama 4 may wrap the list: ``<|python_start|>[...]<|python_end|>`` (seen only when
+special tokens are not skipped).
+
+The list is read with :mod:`ast`, never evaluated: each element must be a call of
+a plain name with keyword arguments only (no positional or ``**`` arguments, no
+repeated keyword), each value a literal (``ast.literal_eval``) that JSON can hold:
+strings, numbers (finite), ``True``/``False``/``None``, lists or tuples, dicts with
+string keys; brackets nest at most :data:`~pyagent_parsers.base.MAX_DEPTH` deep
+(the list's and the call's included). A list that is not such a call list
+(``[1, 2]``, ``[print(x)]``, a syntax error) is content, verbatim.
+
+Where a call list may start:
+
+- at any ``[`` followed by optional whitespace, a name and ``(``; so a list after
+  some text (``Sure! [get_time()]``) is read, the text before being content. Such
+  a list is read whole: if it is not a call list, all of it is content. Any other
+  ``[`` (markdown links, citations, plain lists) is passed over at once, and what
+  it holds is scanned like any text;
+- after ``<|python_start|>`` and optional whitespace. The tag, the list, and an
+  ``<|python_end|>`` after it (whitespace between allowed) go together; a tag not
+  followed by a call list stays content.
+
+The end of the list is found by matching brackets outside strings (``'``, ``"``,
+triple-quoted, with escapes) and ``#`` comments, in linear time; a closing bracket
+that does not match, or a newline in a one-line string, ends the span there as
+content. A list the output ends inside is content, from its ``[`` to the end.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import warnings
+from typing import Any
+
+from pyagent_parsers.base import MAX_DEPTH, Found, ScanningToolParser, dumps, next_start
+
+START, END = "<|python_start|>", "<|python_end|>"
+CLOSERS = {"[": "]", "(": ")", "{": "}"}
+_SPACE = re.compile(r"[ \t\n\r\f]*")
+#: A list that starts like a call list: ``[``, a name, ``(``.
+_HEAD = re.compile(r"\[[ \t\n\r\f]*[^\W\d]\w*[ \t\n\r\f]*\(")
+#: ... or may still, the text ending in its head.
+_CUT_HEAD = re.compile(r"\[[ \t\n\r\f]*(?:[^\W\d]\w*[ \t\n\r\f]*)?\Z")
+#: Where the next call list may start.
+_NEXT = re.compile(rf"{_HEAD.pattern}|{_CUT_HEAD.pattern}|{re.escape(START)}")
+_SPECIAL = re.compile(r"""[\[\](){}'"#]""")
+#: Inside a one-line string: an escape, the closing quote, or a newline (an error).
+_SINGLE = {q: re.compile(r"\\(?s:.)|[\n\r" + q + "]") for q in "'\""}
+#: Inside a triple-quoted string: an escape or the closing quotes.
+_TRIPLE = {q: re.compile(r"\\(?s:.)|" + q * 3) for q in "'\""}
+#: A backslash that may start an escape Python warns about (maybe not: ``\\d``).
+_ODD_ESCAPE = re.compile(r"\\[^\n\r\\'\"abfnrtvxNuU0-7]")
+_INVALID = object()
+
+
+def skip_space(text: str, i: int) -> int:
+    return _SPACE.match(text, i).end()
+
+
+def span_end(text: str, start: int) -> tuple[int, bool] | None:
+    """End of the bracketed span opening at ``text[start]``, matching brackets
+    outside strings and comments: ``(end, True)`` past its closing bracket,
+    ``(end, False)`` past where it cannot be Python (a wrong closing bracket, a
+    newline in a one-line string, nesting deeper than MAX_DEPTH), None if the text
+    ends first. Linear: every character is looked at once."""
+    stack: list[str] = []
+    i = start
+    while True:
+        match = _SPECIAL.search(text, i)
+        if match is None:
+            return None
+        i = match.start()
+        char = text[i]
+        if char in CLOSERS:
+            stack.append(CLOSERS[char])
+            if len(stack) > MAX_DEPTH:
+                return i + 1, False
+            i += 1
+        elif char in ")]}":
+            if stack.pop() != char:
+                return i + 1, False
+            if not stack:
+                return i + 1, True
+            i += 1
+        elif char == "#":
+            i = text.find("\n", i)
+            if i == -1:
+                return None
+        else:
+            triple = text.startswith(char * 3, i)
+            pattern = (_TRIPLE if triple else _SINGLE)[char]
+            i += 3 if triple else 1
+            while True:
+                match = pattern.search(text, i)
+                if match is None:
+                    return None
+                i = match.end()
+                if match.group()[0] != "\\":
+                    break
+            if match.group() in "\n\r":
+                return i, False
+
+
+def as_json(value: Any) -> Any:
+    """``value`` as JSON can hold it, or :data:`_INVALID`."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _INVALID
+    if isinstance(value, (list, tuple)):
+        items = [as_json(v) for v in value]
+        return _INVALID if any(v is _INVALID for v in items) else items
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return _INVALID
+        items = {k: as_json(v) for k, v in value.items()}
+        return _INVALID if any(v is _INVALID for v in items.values()) else items
+    return _INVALID  # bytes, sets, complex numbers, Ellipsis
+
+
+def read_call(node: ast.expr) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of ``name(key=literal, ...)``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None or keyword.arg in arguments:
+            return None
+        try:
+            literal = keyword.value  # a constant is the common case: spare literal_eval's walk
+            value = as_json(literal.value if type(literal) is ast.Constant else ast.literal_eval(literal))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        if value is _INVALID:
+            return None
+        arguments[keyword.arg] = value
+    try:
+        return node.func.id, dumps(arguments)
+    except (ValueError, RecursionError):  # e.g. an int too long to print
+        return None
+
+
+def read_calls(span: str) -> list[tuple[str, str]] | None:
+    """The calls of a ``[f(a=1), g(b="x")]`` span, or None if it is not a call list."""
+    try:
+        if _ODD_ESCAPE.search(span):  # "\d" and the like warn (SyntaxWarning)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(span, mode="eval")
+        else:
+            tree = ast.parse(span, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        call = read_call(node)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class PythonicToolParser(ScanningToolParser):
+    markers = (START, "[")
+
+    def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
+        n = len(text)
+        i = skip_space(text, start + len(START)) if marker == START else start
+        if i == n:
+            return None if not final else Found(n, None)
+        if text[i] != "[":
+            return Found(start + len(marker), None)  # a tag without a call list
+        if not _HEAD.match(text, i):
+            if not final and _CUT_HEAD.match(text, i):
+                return None
+            return Found(next_start(_NEXT, START, text, i + 1, final), None)  # not a call list, nor what follows up to there
+        span = span_end(text, i)
+        if span is None:  # cut off: the rest is content
+            return None if not final else Found(n, None)
+        end, balanced = span
+        calls = read_calls(text[i:end]) if balanced else None
+        if calls is None or marker != START:
+            return Found(end, calls)
+        j = skip_space(text, end)
+        closed = text.startswith(END, j)
+        if not closed and END.startswith(text[j : j + len(END)]) and not final:
+            return None  # maybe <|python_end|> is coming
+        return Found(j + len(END) if closed else end, calls)
