@@ -414,12 +414,14 @@ def test_tool_and_reasoning_parsers_shape_the_message(engine):
 
 
 def test_parser_names_are_checked_at_start():
-    with pytest.raises(ConfigError, match="tool_call_parser.*none are registered"):
-        load_parsers(ServerConfig(tool_call_parser="hermes"))
+    with pytest.raises(ConfigError, match="unknown tool_parser 'hermez'; did you mean 'hermes'"):
+        load_parsers(ServerConfig(tool_call_parser="hermez"))
     with pytest.raises(ConfigError, match="tool_call_parser"):
         load_parsers(ServerConfig(enable_auto_tool_choice=True))
-    with pytest.raises(ConfigError, match="reasoning_parser"):
-        load_parsers(ServerConfig(reasoning_parser="deepseek_r1"))
+    with pytest.raises(ConfigError, match="unknown reasoning_parser 'deepseek'"):
+        load_parsers(ServerConfig(reasoning_parser="deepseek"))
+    tool, reasoning = load_parsers(ServerConfig(tool_call_parser="hermes", reasoning_parser="deepseek_r1"))
+    assert issubclass(tool, ToolParser) and issubclass(reasoning, ReasoningParser)
 
 
 def test_dead_engine_is_503_and_health_says_so(path):

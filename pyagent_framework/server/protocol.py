@@ -127,7 +127,7 @@ class ChatMessage(OpenAIModel):
 
 
 class FunctionDefinition(OpenAIModel):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")  # as OpenAI's: a chat template embeds it verbatim
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -154,7 +154,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)  # OpenAI's cap
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # extras

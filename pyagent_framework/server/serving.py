@@ -8,6 +8,7 @@ Nothing here knows about HTTP beyond :class:`APIError`; the FastAPI app
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
@@ -21,10 +22,11 @@ from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.outputs import CompletionOutput, RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.server import protocol as api
+from pyagent_framework.server import tool_choice
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import APIError, error_body
 from pyagent_framework.server.metrics import RequestTracker, ServerMetrics
-from pyagent_framework.types import DeltaMessage
+from pyagent_framework.types import DeltaMessage, ToolCallDelta
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -140,12 +142,19 @@ class OpenAIServing:
                 param=param,
             )
 
-    async def _start(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None):
+    async def _start(
+        self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, *, reasoning_end=None, param: str | None = None
+    ):
+        """Queue the request; ``param`` names the request field an invalid
+        structured-output spec came from, when the server built it."""
         request_id = f"req-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            stream = await self.engine.add_request(
+                prompt, params, request_id=request_id, cache_salt=cache_salt, reasoning_end=reasoning_end
+            )
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
+            where = param if param and (exc.param or "").startswith("structured_outputs") else exc.param
+            raise APIError(400, str(exc), param=where) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         return stream
@@ -205,11 +214,20 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
 
-    def _tool_mode(self, req: api.ChatCompletionRequest) -> bool:
-        """Whether the output is parsed for tool calls (refusing what cannot be served)."""
+    def _tool_mode(self, req: api.ChatCompletionRequest) -> tuple[str | None, dict[str, Any] | None]:
+        """How the output is read for tool calls: (None | "auto" | "required" |
+        "named", the JSON schema that constrains the output for the last two),
+        refusing what cannot be served."""
         choice = req.tool_choice
-        if not req.tools or choice == "none":
-            return False
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
+            return None, None
+        names = tool_choice.function_names([t.model_dump() for t in req.tools])
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tool function names must be unique, got {names}", param="tools")
+        if choice == "none":
+            return None, None
         if choice in (None, "auto"):
             if not (self.config.enable_auto_tool_choice and self.tool_parser_cls is not None):
                 raise APIError(
@@ -217,39 +235,79 @@ class OpenAIServing:
                     '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser',
                     param="tool_choice",
                 )
-            return True
-        raise APIError(
-            400,
-            "tool_choice 'required' or a named function is not supported yet; use 'auto' (with --enable-auto-tool-choice) or 'none'",
-            param="tool_choice",
-        )
+            return "auto", None
+        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format or structured_outputs", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            if choice == "required":
+                return "required", tool_choice.required_schema(tools, parallel=req.parallel_tool_calls is not False)
+            return "named", tool_choice.named_schema(tools, choice.function.name)
+        except tool_choice.ToolChoiceError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if choice != "required" else "tools") from None
+
+    def _tool_reader(self, mode: str | None, req: api.ChatCompletionRequest):
+        """A fresh reader of one choice's output for tool calls (None: plain text)."""
+        if mode == "auto":
+            return self.tool_parser_cls(self.tokenizer)
+        if mode == "required":
+            return tool_choice.RequiredToolCalls()
+        if mode == "named":
+            return tool_choice.NamedToolCall(req.tool_choice.function.name)
+        return None
+
+    def _reasoning_reader(self, prompt_ids: list[int], request_dict: dict[str, Any]):
+        if self.reasoning_parser_cls is None:
+            return None
+        parser = self.reasoning_parser_cls(self.tokenizer)
+        parser.prepare(prompt_ids, request_dict)
+        return parser
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tools_on = self._tool_mode(req)
+        mode, schema = self._tool_mode(req)
+        if mode == "auto":
+            req = self._adjusted(req)
         prompt_ids = self.render_messages(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(
             req, max_tokens=max_tokens, prompt_len=len(prompt_ids), logprobs=logprobs, prompt_param="messages"
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request_dict = req.model_dump(exclude_none=True)
+        if schema is not None:
+            params = dataclasses.replace(params, structured_outputs={"json": schema})
+        reasoning_end = None
+        reasoning = self.reasoning_parser_cls is not None
+        if params.structured_outputs is not None and reasoning:
+            # The grammar constrains the answer only, from the end of the reasoning on;
+            # if that is the first token (the prompt opened no reasoning), all is answer.
+            reasoning = not self._reasoning_reader(prompt_ids, request_dict).is_reasoning_end(())
+            if reasoning:
+                reasoning_end = lambda: self._reasoning_reader(prompt_ids, request_dict).is_reasoning_end  # noqa: E731
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [
             ChoiceState(
-                tool_parser=self.tool_parser_cls(self.tokenizer) if tools_on else None,
-                reasoning_parser=self.reasoning_parser_cls(self.tokenizer) if self.reasoning_parser_cls else None,
+                tool_parser=self._tool_reader(mode, req),
+                reasoning_parser=self._reasoning_reader(prompt_ids, request_dict) if reasoning else None,
             )
             for _ in range(req.n)
         ]
-        stream = await self._start(prompt_ids, params, req.cache_salt)
+        stream = await self._start(prompt_ids, params, req.cache_salt, reasoning_end=reasoning_end, param="tools" if schema else None)
         tracker = self.metrics.track(len(prompt_ids))
         if req.stream:
             return Events(self._chat_stream(req, request_id, stream, choices, request_dict, tracker), [stream], [tracker])
         final = await collect(stream, tracker)
         return self._chat_response(req, request_id, final, choices, request_dict)
+
+    def _adjusted(self, req: api.ChatCompletionRequest) -> api.ChatCompletionRequest:
+        """The request as the tool parser wants it (e.g. special tokens kept)."""
+        before = req.model_dump()
+        after = self.tool_parser_cls(self.tokenizer).adjust_request(dict(before))
+        updates = {k: v for k, v in after.items() if k in type(req).model_fields and v != before.get(k)}
+        return req.model_copy(update=updates) if updates else req
 
     def _chat_response(self, req, request_id: str, final: RequestOutput, choices, request_dict) -> api.ChatCompletionResponse:
         out_choices = []
@@ -261,16 +319,15 @@ class OpenAIServing:
                 reasoning, content = split.reasoning_content, split.content
             tool_calls = []
             finish_reason = output.finish_reason
-            if state.tool_parser is not None and content:
-                extracted = state.tool_parser.extract(content, request_dict)
-                if extracted.tools_called:
-                    content = extracted.content
-                    tool_calls = [
-                        api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
-                        for c in extracted.tool_calls
-                    ]
-                    if finish_reason == "stop":
-                        finish_reason = "tool_calls"
+            if state.tool_parser is not None:
+                extracted = state.tool_parser.extract(content or "", request_dict)
+                content = extracted.content
+                tool_calls = [
+                    api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in extracted.tool_calls
+                ]
+                if tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             out_choices.append(
                 api.ChatChoice(
                     index=output.index,
@@ -316,7 +373,9 @@ class OpenAIServing:
         """What one choice adds in this update, or None."""
         if state.done:
             return None
-        message = state.parse(output.text[len(state.text) :], output.text, output.token_ids, request_dict)
+        message = state.parse(
+            output.text[len(state.text) :], output.text, output.token_ids, request_dict, final=output.finish_reason is not None
+        )
         logprobs = None
         if req.logprobs and output.logprobs is not None and len(output.logprobs) > state.num_logprobs:
             logprobs = self._chat_logprobs(output, state.num_logprobs, req.top_logprobs or 0)
@@ -564,32 +623,66 @@ class ChoiceState:
     called_tools: bool = False
     done: bool = False
 
-    def parse(self, delta_text: str, text: str, token_ids: Seq[int], request: Any) -> DeltaMessage | None:
+    def parse(self, delta_text: str, text: str, token_ids: Seq[int], request: Any, final: bool = False) -> DeltaMessage | None:
+        """What this update adds to the message; with ``final`` also what the parsers
+        held back (the output has ended)."""
         delta_ids = token_ids[len(self.token_ids) :]
-        if self.reasoning_parser is not None:
-            message = self.reasoning_parser.extract_streaming(self.text, text, delta_text, self.token_ids, token_ids, delta_ids)
-            if message is None or not message.content or self.tool_parser is None:
-                return message
-            # The answer part goes on to the tool parser.
-            reasoning = message.reasoning_content
-            message = self._tools(message.content, token_ids, delta_ids, request)
-            if reasoning:
-                message = message or DeltaMessage()
-                message.reasoning_content = reasoning
+        if self.reasoning_parser is None:
+            if self.tool_parser is None:
+                return DeltaMessage(content=delta_text) if delta_text else None
+            return self._tools(delta_text, token_ids, delta_ids, request, final)
+        parts = [self.reasoning_parser.extract_streaming(self.text, text, delta_text, self.token_ids, token_ids, delta_ids)]
+        if final:
+            parts.append(self.reasoning_parser.finish_streaming(text))
+        message = join_deltas(parts)
+        if self.tool_parser is None:
             return message
-        if self.tool_parser is not None:
-            return self._tools(delta_text, token_ids, delta_ids, request)
-        return DeltaMessage(content=delta_text) if delta_text else None
+        # The answer part goes on to the tool parser.
+        answer = message.content if message is not None else None
+        tools = self._tools(answer or "", token_ids, delta_ids, request, final)
+        reasoning = message.reasoning_content if message is not None else None
+        return join_deltas([DeltaMessage(reasoning_content=reasoning), tools])
 
-    def _tools(self, delta_text: str, token_ids: Seq[int], delta_ids: Seq[int], request: Any) -> DeltaMessage | None:
+    def _tools(self, delta_text: str, token_ids: Seq[int], delta_ids: Seq[int], request: Any, final: bool) -> DeltaMessage | None:
         previous = self.content_text
         self.content_text += delta_text
-        message = self.tool_parser.extract_streaming(
-            previous, self.content_text, delta_text, self.token_ids, token_ids, delta_ids, request
-        )
+        parts = []
+        if delta_text:
+            parts.append(
+                self.tool_parser.extract_streaming(previous, self.content_text, delta_text, self.token_ids, token_ids, delta_ids, request)
+            )
+        if final:
+            parts.append(self.tool_parser.finish_streaming(self.content_text, request))
+        message = join_deltas(parts)
         if message is not None and message.tool_calls:
             self.called_tools = True
         return message
+
+
+def join_deltas(messages: Seq[DeltaMessage | None]) -> DeltaMessage | None:
+    """Deltas one after another as one delta (fragments of the same call joined)."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCallDelta] = []
+    for message in messages:
+        if message is None:
+            continue
+        content.append(message.content or "")
+        reasoning.append(message.reasoning_content or "")
+        for call in message.tool_calls:
+            if calls and calls[-1].index == call.index:
+                last = calls[-1]
+                calls[-1] = ToolCallDelta(
+                    index=call.index,
+                    id=last.id or call.id,
+                    name=last.name or call.name,
+                    arguments=(last.arguments or "") + (call.arguments or "") if last.arguments or call.arguments else None,
+                    type=last.type or call.type,
+                )
+            else:
+                calls.append(call)
+    out = DeltaMessage(content="".join(content) or None, reasoning_content="".join(reasoning) or None, tool_calls=calls)
+    return None if out.is_empty() else out
 
 
 def message_dict(message: api.ChatMessage) -> dict[str, Any]:
