@@ -3,6 +3,7 @@ is discovered through its entry point, and whose own tests pass."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -105,3 +106,36 @@ def test_scaffold_refuses_to_overwrite(tmp_path):
     result = run_cli("plugin", "new", "pyagent-taken", "--kind", "tool_parser", "--dir", str(tmp_path))
     assert result.returncode == 2
     assert "already exists" in result.stderr
+
+
+def test_scaffolded_tool_parser_is_selected_with_tool_call_parser(scaffolded):
+    """A third party's parser, as scaffolded, serves ``--tool-call-parser NAME``: the
+    output is held to its ``<call>{json}</call>`` format by a regex constraint and
+    comes back as a tool call, whole and streamed."""
+    from pyagent_framework.server.process import server_process
+
+    name = dist("tool_parser").removeprefix("pyagent-").replace("-", "_")
+    tools = [{"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}]
+    body = {
+        "messages": [{"role": "user", "content": "Say hi through the echo tool."}],
+        "tools": tools,
+        "max_tokens": 120,
+        "temperature": 0,
+        "structured_outputs": {"regex": r'Calling\.<call>\{"name": "echo", "arguments": \{"text": "(hi|hello)"\}\}</call>'},
+    }
+    with server_process("--enable-auto-tool-choice", "--tool-call-parser", name) as server:
+        status, out = server.post_json("/v1/chat/completions", body)
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Calling."
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "echo" and json.loads(call["function"]["arguments"])["text"] in ("hi", "hello")
+        status, text = server.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+                                      {"Content-Type": "application/json"})
+        assert status == 200
+        arguments = "".join(
+            d["function"]["arguments"] or ""
+            for line in text.splitlines() if line.startswith("data: {")
+            for c in json.loads(line[6:])["choices"] for d in c["delta"].get("tool_calls") or []
+        )
+        assert arguments == call["function"]["arguments"]
