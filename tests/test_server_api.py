@@ -462,7 +462,7 @@ def test_one_file_and_the_environment_configure_engine_and_server(tmp_path, monk
 def test_serve_fails_at_start_on_unknown_names():
     from tests.distributions import run_cli
 
-    result = run_cli("serve", "--tool-call-parser", "hermes")
-    assert result.returncode == 2 and "tool_call_parser" in result.stderr and "none are registered" in result.stderr
+    result = run_cli("serve", "--tool-call-parser", "hermez", "--port", "0")
+    assert result.returncode == 2 and "tool_call_parser" in result.stderr and "did you mean 'hermes'" in result.stderr
     result = run_cli("serve", "--eviction-policy", "lruu", "--port", "0")
     assert result.returncode == 2 and "did you mean 'lru'" in result.stderr
