@@ -78,10 +78,11 @@ def _ids(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def check_linear(parse, pieces: Sequence[str]) -> None:
+def check_linear(parse, pieces: Sequence[str], *, reports_time: bool = False) -> None:
     """``parse`` of each piece repeated to 500 KB takes under 1 s, or under 25 times
     its time on a tenth as much (a loaded machine slows both alike; a quadratic scan
-    takes 100 times as long)."""
+    takes 100 times as long). With ``reports_time``, ``parse`` returns the seconds
+    to count (the parser's own, not the harness's)."""
     for piece in pieces:
         if not piece:
             continue
@@ -89,8 +90,8 @@ def check_linear(parse, pieces: Sequence[str]) -> None:
         for size in (ADVERSARIAL_BYTES // 10, ADVERSARIAL_BYTES):
             text = (piece * (size // len(piece) + 1))[:size]
             began = time.perf_counter()
-            parse(text)
-            times.append(time.perf_counter() - began)
+            reported = parse(text)
+            times.append(reported if reports_time else time.perf_counter() - began)
         small, big = times
         assert big < max(LINEAR_BOUND_S, 25 * small), f"{piece[:30]!r} repeated: {small:.3f}s for 50 KB, {big:.2f}s for 500 KB"
 
@@ -267,6 +268,27 @@ class ReasoningParserContract:
 
     def test_adversarial_500kb_parses_in_linear_time(self):
         check_linear(lambda text: self.make().extract(text, self.request), [*self.pieces, *self.samples[:2]])
+
+    def test_streaming_500kb_takes_linear_time(self):
+        """Held-back text (whitespace, partial markers, undecided output) is not
+        read again at each step: 256-character steps over 500 KB of each piece, after
+        nothing and after the first piece (a section opened), parser time only."""
+        pieces = [p for p in self.pieces if p][:8]
+        for prompt in self.prompts:
+            for head in ["", *pieces[:1]]:
+                check_linear(lambda text, prompt=prompt, head=head: _stream_time(self.make(prompt), head + text), pieces, reports_time=True)
+
+
+def _stream_time(parser: ReasoningParser, text: str, step: int = 256) -> float:
+    spent = 0.0
+    for end in range(step, len(text) + step, step):
+        current = text[:end]
+        began = time.perf_counter()
+        parser.extract_streaming("", current, "", (), (), ())
+        spent += time.perf_counter() - began
+    began = time.perf_counter()
+    parser.finish_streaming(text)
+    return spent + time.perf_counter() - began
 
 
 __all__ = [

@@ -187,14 +187,22 @@ def expect(text: str, i: int, options: tuple[str, ...]) -> str:
     raise NotACall(i)
 
 
-def next_start(pattern: re.Pattern, marker: str, text: str, i: int, final: bool) -> int:
-    """Where, from ``i`` on, ``pattern`` finds a possible call; else the end of the
-    text, less a suffix that may still become ``marker`` unless ``final``."""
-    found = pattern.search(text, i)
+def next_start(head: re.Pattern, cut: re.Pattern, opener: str, marker: str, text: str, i: int, final: bool) -> int:
+    """Where, from ``i`` on, ``head`` finds a possible call; else, unless
+    ``final``, where the text may still turn into one: a ``cut`` head at its end
+    (which starts at the last ``opener``) or a suffix that may become ``marker``;
+    else the end of the text. The cut head is matched once, at the last opener,
+    not searched for at every position."""
+    found = head.search(text, i)
     if found is not None:
         return found.start()
     n = len(text)
-    return n if final else n - partial_suffix(text[max(i, n - len(marker)) :], (marker,))
+    if final:
+        return n
+    last = text.rfind(opener, i)
+    if last != -1 and cut.match(text, last):
+        return last
+    return n - partial_suffix(text[max(i, n - len(marker)) :], (marker,))
 
 
 def tool_schemas(request: Any) -> dict[str, dict]:

@@ -1,7 +1,6 @@
-import time
 
 from pyagent_framework import registries
-from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract, stream_reasoning
+from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract
 
 OPENED = "<|begin▁of▁sentence|><｜User｜>What is 17 * 23?<｜Assistant｜><think>\n"
 
@@ -123,23 +122,3 @@ def test_is_reasoning_end_step_by_step():
     parser = make()
     assert parser.is_reasoning_end(ids)
     assert not parser.is_reasoning_end(ids[:5])
-
-
-def test_streaming_500kb_is_linear():
-    """Held-back whitespace and partial tags are not read again at each step."""
-    for head, unit in [("", "\n"), ("Thinking.", "\n"), ("Thinking.", " \n\t"), ("", " </thin"), ("", "<think>"), ("", "word ")]:
-        text = head + (unit * (500_000 // len(unit) + 1))[:500_000]
-        parser = make()
-        spent = 0.0
-        for b in range(64, len(text) + 64, 64):
-            current = text[:b]
-            began = time.perf_counter()
-            parser.extract_streaming("", current, "", [], [], [])
-            spent += time.perf_counter() - began
-        began = time.perf_counter()
-        parser.finish_streaming(text)
-        spent += time.perf_counter() - began
-        assert spent < 1.0, f"{unit!r}: {spent:.2f}s"
-        assert stream_reasoning(make(), text[:20_000], range(97, 20_000, 97)) == tuple(
-            getattr(make().extract(text[:20_000]), k) for k in ("reasoning_content", "content")
-        )

@@ -1,7 +1,6 @@
-import time
 
 from pyagent_framework import registries
-from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract, stream_reasoning
+from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract
 
 THINKING = {"chat_template_kwargs": {"thinking": True}}
 
@@ -113,22 +112,3 @@ def test_is_reasoning_end_with_thinking_is_true_at_once():
 def test_is_reasoning_end_without_thinking_is_true_at_once():
     assert make().is_reasoning_end([])
     assert make({"chat_template_kwargs": {"thinking": False}}).is_reasoning_end([])
-
-
-def test_streaming_500kb_is_linear():
-    for head, unit in [("", "Here is my thought process:"), ("", "\n"), ("Thinking.", "\n"), ("", "Here is my respons"), ("", " Here's my")]:
-        text = "Here is my thought process:" + head + (unit * (500_000 // len(unit) + 1))[:500_000]
-        parser = make(THINKING)
-        spent = 0.0
-        for b in range(64, len(text) + 64, 64):
-            current = text[:b]
-            began = time.perf_counter()
-            parser.extract_streaming("", current, "", [], [], [])
-            spent += time.perf_counter() - began
-        began = time.perf_counter()
-        parser.finish_streaming(text)
-        spent += time.perf_counter() - began
-        assert spent < 1.0, f"{unit!r}: {spent:.2f}s"
-        small = text[:20_000]
-        expected = make().extract(small)
-        assert stream_reasoning(make(), small, range(97, 20_000, 97)) == (expected.reasoning_content, expected.content)

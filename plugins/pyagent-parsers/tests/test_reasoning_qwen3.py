@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from pyagent_framework import registries
-from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract, stream_reasoning
+from pyagent_framework.testing.parsers import CharTokenizer, ReasoningParserContract
 
 PLAIN = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 OPENED = PLAIN + "<think>\n"
@@ -242,34 +242,6 @@ def test_real_tokenizer_marker_in_several_tokens(smollm2):
     opened = registries.reasoning_parsers.load("qwen3")(smollm2)
     opened.prepare(smollm2.encode(PLAIN + "<think>\n", add_special_tokens=False), None)
     assert opened.extract("plain").reasoning_content == "plain"
-
-
-def test_streaming_500kb_is_linear():
-    cases = [
-        (PLAIN, "", "\n"),
-        (PLAIN, "", "no tag here "),
-        (PLAIN, "", "</thin"),
-        (OPENED, "", " \n"),
-        (OPENED, "Thinking.", " \n"),
-        (PLAIN, "<think>Thinking.", "\n"),
-        ("", "", "<think>"),
-    ]
-    for prompt, head, unit in cases:
-        text = head + (unit * (500_000 // len(unit) + 1))[:500_000]
-        parser = make(prompt)
-        spent = 0.0
-        for b in range(64, len(text) + 64, 64):
-            current = text[:b]
-            began = time.perf_counter()
-            parser.extract_streaming("", current, "", [], [], [])
-            spent += time.perf_counter() - began
-        began = time.perf_counter()
-        parser.finish_streaming(text)
-        spent += time.perf_counter() - began
-        assert spent < 1.0, f"{unit!r}: {spent:.2f}s"
-        small = text[:20_000]
-        expected = make(prompt).extract(small)
-        assert stream_reasoning(make(prompt), small, range(97, 20_000, 97)) == (expected.reasoning_content, expected.content)
 
 
 class Prefix(Sequence):

@@ -47,7 +47,7 @@ _HEAD = re.compile(rf"\{{[ \t\n\r]*(?:{_KEYS})")
 #: ... or may still, the text ending in its head.
 _CUT_HEAD = re.compile(rf"\{{[ \t\n\r]*(?:{_CUT_KEYS})\Z")
 #: Where the next call may start.
-_NEXT = re.compile(rf"{_HEAD.pattern}|{_CUT_HEAD.pattern}|{re.escape(TAG)}")
+_NEXT = re.compile(rf"{_HEAD.pattern}|{re.escape(TAG)}")
 
 
 def skip_space(text: str, i: int) -> int:
@@ -80,7 +80,7 @@ class Llama3JsonToolParser(ScanningToolParser):
         if not _HEAD.match(text, i):
             if not final and _CUT_HEAD.match(text, i):
                 return None
-            return Found(next_start(_NEXT, TAG, text, i + 1, final), None)  # not a call, nor what follows up to there
+            return Found(next_start(_NEXT, _CUT_HEAD, "{", TAG, text, i + 1, final), None)  # not a call, nor what follows up to there
         end = json_end(text, i)
         if end is None:  # cut off: the rest is content
             return None if not final else Found(n, None)

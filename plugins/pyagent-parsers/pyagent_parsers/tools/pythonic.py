@@ -50,7 +50,7 @@ _HEAD = re.compile(r"\[[ \t\n\r\f]*[^\W\d]\w*[ \t\n\r\f]*\(")
 #: ... or may still, the text ending in its head.
 _CUT_HEAD = re.compile(r"\[[ \t\n\r\f]*(?:[^\W\d]\w*[ \t\n\r\f]*)?\Z")
 #: Where the next call list may start.
-_NEXT = re.compile(rf"{_HEAD.pattern}|{_CUT_HEAD.pattern}|{re.escape(START)}")
+_NEXT = re.compile(rf"{_HEAD.pattern}|{re.escape(START)}")
 _SPECIAL = re.compile(r"""[\[\](){}'"#]""")
 #: Inside a one-line string: an escape, the closing quote, or a newline (an error).
 _SINGLE = {q: re.compile(r"\\(?s:.)|[\n\r" + q + "]") for q in "'\""}
@@ -183,7 +183,7 @@ class PythonicToolParser(ScanningToolParser):
         if not _HEAD.match(text, i):
             if not final and _CUT_HEAD.match(text, i):
                 return None
-            return Found(next_start(_NEXT, START, text, i + 1, final), None)  # not a call list, nor what follows up to there
+            return Found(next_start(_NEXT, _CUT_HEAD, "[", START, text, i + 1, final), None)  # not a call list, nor what follows up to there
         span = span_end(text, i)
         if span is None:  # cut off: the rest is content
             return None if not final else Found(n, None)
