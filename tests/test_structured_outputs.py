@@ -171,6 +171,29 @@ def test_preempted_constrained_sequences_stay_valid(path):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
+def test_a_grammar_waits_for_the_end_of_the_reasoning(llm):
+    """With ``reasoning_end``, tokens are free until the predicate holds (here: after
+    five output tokens), then the grammar constrains the rest, from the next token."""
+    engine = llm.engine
+    free = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    [unconstrained] = llm.generate(PROMPT, free)
+    reasoning = unconstrained.outputs[0].token_ids
+    assert not re.fullmatch("[xy]+", unconstrained.outputs[0].text), "the free text must not already match"
+    params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "[xy]{4}"})
+    engine.add_request("think", PROMPT, params, reasoning_end=lambda: (lambda ids: len(ids) >= 5))
+    engine.add_request("raises", PROMPT, params, reasoning_end=lambda: (lambda ids: 1 / 0))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    think = finished["think"].outputs[0]
+    assert think.token_ids[:5] == reasoning  # the same free tokens as without a grammar
+    answer = engine.tokenizer.decode(think.token_ids[5:])
+    assert re.fullmatch("[xy]{4}", answer) and think.finish_reason == "stop"
+    # A predicate that raises counts as ended: constrained from the first token.
+    assert re.fullmatch("[xy]{4}", finished["raises"].outputs[0].text)
+
+
 def test_a_batch_compiles_each_grammar_once_even_when_the_cache_cannot_hold_them(path):
     tiny_cache = LLM(path, kv_cache_memory="16MiB", max_model_len=128, grammar_cache_memory="1KiB")
     patterns = [f"[a-c]{{{i}}}x" for i in range(1, 5)]

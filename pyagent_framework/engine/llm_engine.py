@@ -276,7 +276,7 @@ class LLMEngine:
                 seq.logprobs = []
             if reasoning_end is not None and params.structured_outputs is not None:
                 seq.reasoning_end = reasoning_end()
-                if seq.reasoning_end(()):
+                if self._reasoning_over(seq):
                     seq.reasoning_end = None  # nothing to wait for
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
             seqs.append(seq)
@@ -400,6 +400,16 @@ class LLMEngine:
         self.compiling = still
         return failed
 
+    @staticmethod
+    def _reasoning_over(seq: Sequence) -> bool:
+        """Whether the sequence's reasoning has ended; a predicate that raises
+        counts as ended (the grammar then applies) rather than stopping the engine."""
+        try:
+            return bool(seq.reasoning_end(seq.token_ids[seq.num_prompt_tokens :]))
+        except Exception:
+            logger.exception("reasoning_end raised (request %s); constraining from here on", seq.request_id)
+            return True
+
     def _record_prompt_logprobs(self, logits: StepLogits) -> None:
         for request in self.requests.values():
             seq = request.seqs[0]
@@ -446,7 +456,7 @@ class LLMEngine:
             if stop is not None:
                 self._finish(seq, "stop", now, stop)
                 return
-        if seq.reasoning_end is not None and seq.reasoning_end(seq.token_ids[seq.num_prompt_tokens :]):
+        if seq.reasoning_end is not None and self._reasoning_over(seq):
             seq.reasoning_end = None  # the grammar constrains the tokens from here on
         if constrained and seq.matcher.is_terminated():
             self._finish(seq, "stop", now)  # the grammar ended (on an end-of-sequence token)
