@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pyagent_framework import registries
-from pyagent_framework.chat_templates import ChatTemplateError
+from pyagent_framework.chat_templates import ChatTemplateError, render_chat_template
 from pyagent_framework.testing.parsers import tool_result
 
 BOS, EOS = "<s>", "</s>"
@@ -210,3 +210,18 @@ def test_mistral_accepts_calls_then_results_then_more_calls():
         '[TOOL_CALLS] [{"name": "f", "arguments": {}, "id": "a1B2c3D4e"}]</s>'
         '[TOOL_RESULTS] {"content": "2", "call_id": "a1B2c3D4e"}[/TOOL_RESULTS]'
     )
+
+
+def test_the_server_hands_templates_arguments_as_objects():
+    """OpenAI clients send arguments as JSON text; a template that writes them with
+    ``| tojson`` (as Hugging Face templates do) must not quote them twice."""
+    from pyagent_framework.server import protocol as api
+    from pyagent_framework.server.serving import message_dict
+
+    source = "{% for m in messages %}{% for c in m['tool_calls'] or [] %}{{ c['function']['arguments'] | tojson }}{% endfor %}{% endfor %}"
+    message = api.ChatMessage(role="assistant", tool_calls=[
+        {"id": "call_1", "function": {"name": "f", "arguments": '{"city": "東京", "n": [1, 2]}'}},
+        {"id": "call_2", "function": {"name": "g", "arguments": "not json"}},
+    ])
+    text = render_chat_template(source, [message_dict(message)], add_generation_prompt=False)
+    assert text == '{"city": "東京", "n": [1, 2]}"not json"'

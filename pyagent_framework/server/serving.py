@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
@@ -698,6 +699,17 @@ def message_dict(message: api.ChatMessage) -> dict[str, Any]:
         out["content"] = "\n".join(texts)
     else:
         out["content"] = content
+    for call in out.get("tool_calls") or []:
+        # OpenAI sends arguments as JSON text; templates (Hugging Face's among them)
+        # write them with `| tojson`, which would quote the text again: give them
+        # the object. Text that is not a JSON object stays as it is.
+        function = call["function"]
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            continue
+        if isinstance(arguments, dict):
+            function["arguments"] = arguments
     return out
 
 
