@@ -224,7 +224,7 @@ class OpenAIServing:
             if choice not in (None, "none", "auto"):
                 raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
             return None, None
-        names = tool_choice.function_names([t.model_dump() for t in req.tools])
+        names = [t.function.name for t in req.tools]
         if len(set(names)) != len(names):
             raise APIError(400, f"tool function names must be unique, got {names}", param="tools")
         if choice == "none":

@@ -121,11 +121,12 @@ def stream_tools(parser: ToolParser, text: str, cuts: Sequence[int], request: An
             call["name"] = call["name"] or d.name
             call["arguments"] += d.arguments or ""
 
+    ids = _ids(text)
     bounds = [0, *sorted(set(cuts)), len(text)]
     for a, b in zip(bounds, bounds[1:]):
         if a == b:
             continue
-        take(parser.extract_streaming(text[:a], text[:b], text[a:b], _ids(text[:a]), _ids(text[:b]), _ids(text[a:b]), request))
+        take(parser.extract_streaming(text[:a], text[:b], text[a:b], ids[:a], ids[:b], ids[a:b], request))
     take(parser.finish_streaming(text, request))
     ordered = [calls[i] for i in sorted(calls)]
     assert sorted(calls) == list(range(len(calls))), f"call indexes are not 0..n-1: {sorted(calls)}"
@@ -202,10 +203,11 @@ def stream_reasoning(parser: ReasoningParser, text: str, cuts: Sequence[int]):
             reasoning.append(delta.reasoning_content or "")
             content.append(delta.content or "")
 
+    ids = _ids(text)
     bounds = [0, *sorted(set(cuts)), len(text)]
     for a, b in zip(bounds, bounds[1:]):
         if a < b:
-            take(parser.extract_streaming(text[:a], text[:b], text[a:b], _ids(text[:a]), _ids(text[:b]), _ids(text[a:b])))
+            take(parser.extract_streaming(text[:a], text[:b], text[a:b], ids[:a], ids[:b], ids[a:b]))
     take(parser.finish_streaming(text))
     return "".join(reasoning) or None, "".join(content) or None
 
