@@ -48,6 +48,20 @@ def _one_of(attribute, value, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(choices)}, got {value!r}")
 
 
+def _json_mapping(name: str, value: Any) -> dict[str, Any] | None:
+    """A mapping given as a dict or as JSON text (flags, files, environment)."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -61,7 +75,8 @@ class EngineConfig:
     tokenizer: str | None = attrs.field(default=None, metadata={"help": "tokenizer registry name (e.g. hf, tiktoken) or a tokenizer path for 'hf' (default: the model's own)"})
     weight_format: str | None = attrs.field(default=None, metadata={"help": "weight format name (default: detected)"})
     attention_backend: str = attrs.field(default="auto", metadata={"help": "attention backend name; auto: 'native' when pyagent-native is installed, else 'torch'"})
-    quantization: str | None = attrs.field(default=None, metadata={"help": "quantizer name; default: 'native' (unquantized, native small-batch kernel) for float32 when pyagent-native is installed, else 'none'"})
+    quantization: str | None = attrs.field(default=None, metadata={"help": "quantizer name (none, int8, int4, gguf, fp8, ...); default: 'gguf' for a GGUF file (its quantized tensors kept as stored), else 'native' (unquantized, native small-batch kernel) for float32 when pyagent-native is installed, else 'none'"})
+    quantization_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("quantization_config", v), metadata={"help": "the quantizer's options as JSON, e.g. '{\"group_size\": 64}' for int4"})
     dtype: str = attrs.field(default="float32", metadata={"help": "compute dtype: float32, bfloat16, float16"})
     kv_cache_memory: str | None = attrs.field(default="1GiB", metadata={"help": "KV cache memory budget, e.g. 2GiB"})
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "KV cache size in blocks (overrides --kv-cache-memory)"})

@@ -68,7 +68,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(config)
         # "auto" / unset resolved to the names that run (native ones when installed).
         self.attention_backend = loader.choose_attention_backend(config.attention_backend)
-        self.quantization = loader.choose_quantization(config.quantization, config.dtype)
+        self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format)
         logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
         # Checked before the weights load, so a misspelt name fails fast.
         self.grammar_backend = self._check_grammar_backend(config.grammar_backend)
@@ -83,6 +83,7 @@ class LLMEngine:
             weight_format=weight_format,
             attention_backend=self.attention_backend,
             quantization=self.quantization,
+            quantization_config=config.quantization_config,
             dtype=config.dtype,
         )
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)

@@ -69,18 +69,33 @@ def choose_attention_backend(name: str) -> str:
     return next((n for n in AUTO_ATTENTION_BACKENDS if n in registries.attention_backends), "torch")
 
 
-# With no quantization named, float32 models take the first of these quantizers that is
-# registered: the native core's unquantized linears (a faster small-batch kernel, same
-# weights), else plain torch linears.
+# With no quantization named, a checkpoint whose format names a quantizer (GGUF: "gguf",
+# which keeps the file's quantized tensors) takes it when it is registered and the
+# compute dtype is float32; other float32 models take the first of these quantizers that
+# is registered: the native core's unquantized linears (a faster small-batch kernel,
+# same weights), else plain torch linears.
 AUTO_QUANTIZERS = ("native", "none")
 
 
-def choose_quantization(name: str | None, dtype: str) -> str:
+def choose_quantization(name: str | None, dtype: str, weight_format=None) -> str:
     if name is not None:
         return name
     if dtype.lower() not in ("float32", "fp32"):
         return "none"
+    preferred = getattr(weight_format, "default_quantization", None)
+    if preferred and preferred in registries.quantizers:
+        return preferred
     return next((n for n in AUTO_QUANTIZERS if n in registries.quantizers), "none")
+
+
+def make_quantizer(name: str, options: dict[str, Any] | None):
+    """The quantizer ``name`` built with ``options`` (``--quantization-config``); a
+    rejected option is a ConfigError naming the field."""
+    cls = load_entry(registries.quantizers, name, "quantization")
+    try:
+        return cls(**(options or {}))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"quantization_config: quantizer {name!r} rejects {options or {}}: {exc}", field="quantization_config") from None
 
 
 def choose_weight_format(path: str, name: str | None):
@@ -110,9 +125,22 @@ def torch_dtype(name: str):
         raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}", field="dtype") from None
 
 
-def build_model(path: str, config: dict, *, weight_format, attention_backend: str, quantization: str | None, dtype: str):
+def build_model(
+    path: str,
+    config: dict,
+    *,
+    weight_format,
+    attention_backend: str,
+    quantization: str | None,
+    dtype: str,
+    quantization_config: dict[str, Any] | None = None,
+):
     """Construct the architecture named by the config, load its weights, then swap its
-    linear layers for the quantizer's."""
+    linear layers for the quantizer's.
+
+    A quantizer that reads packed encodings (``packed_encodings``) gets them straight
+    from a weight format that can keep them (``supports_packed``) for a model that takes
+    them (``packed_weights``): no dequantize on load."""
     import torch
 
     architectures = config.get("architectures") or []
@@ -121,36 +149,95 @@ def build_model(path: str, config: dict, *, weight_format, attention_backend: st
     arch_name = next((a for a in architectures if a in registries.model_architectures), architectures[0])
     arch = load_entry(registries.model_architectures, arch_name, "model")
     backend = load_entry(registries.attention_backends, choose_attention_backend(attention_backend), "attention_backend")
-    quantization = choose_quantization(quantization, dtype)
-    quantizer_cls = load_entry(registries.quantizers, quantization, "quantization")
+    quantization = choose_quantization(quantization, dtype, weight_format)
+    quantizer = make_quantizer(quantization, quantization_config)
 
     torch_type = torch_dtype(dtype)
     with torch.device("cpu"):
         model = arch(config, attention_backend=backend)
-    loaded = weight_format.load_into(model, path)
+    encodings = frozenset(getattr(quantizer, "packed_encodings", ()) or ())
+    packed = bool(encodings) and getattr(weight_format, "supports_packed", False) and hasattr(model, "packed_weights")
+    if getattr(quantizer, "needs_packed", False) and not packed:
+        raise ConfigError(
+            f"quantization {quantization!r} computes from a checkpoint's own quantized tensors, "
+            f"which {path} (weight format {type(weight_format).__name__}) does not keep",
+            field="quantization",
+        )
+    if packed:
+        loaded = weight_format.load_into(model, path, packed=encodings)
+    else:
+        loaded = weight_format.load_into(model, path)
     logger.info("loaded %d tensors from %s into %s", len(loaded), path, arch_name)
     model = model.to(torch_type)
     if quantization not in ("none", "fp32"):
-        swap_linears(model, quantizer_cls())
+        count = swap_linears(model, quantizer, packed=model.packed_weights() if packed else None)
+        logger.info("quantization %r: %d linear layers replaced", quantization, count)
+        _release_freed_memory()
     return model.eval()
 
 
-def swap_linears(model, quantizer) -> int:
+def _release_freed_memory() -> None:
+    """Hand the float weights the quantizer replaced back to the OS. glibc keeps freed
+    blocks below its (adaptive) mmap threshold in the heap, so without this the process
+    stays as large as the float model it no longer holds."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:  # glibc only; elsewhere nothing to do
+        trim(0)
+
+
+def swap_linears(model, quantizer, packed: dict[str, Any] | None = None) -> int:
     """Replace every ``nn.Linear`` by the quantizer's module, except one whose weight
     another module shares (a tied output head: replacing it would untie it), unless the
     quantizer declares ``keeps_weights`` (its module computes from the very tensor it is
-    given, so the tie holds)."""
+    given, so the tie holds).
+
+    ``packed`` maps parameter names to :class:`PackedWeight`\\s: a linear whose weight is
+    one of them is built from the packed weight (the shared object keeps a tie), and an
+    embedding from it through ``quantizer.make_embedding``, or from its floats. A
+    quantizer with ``pack(weight) -> PackedWeight`` and ``make_embedding`` packs a weight
+    an embedding shares with an output head once, and both are built from it."""
     from collections import Counter
 
+    import torch
     from torch import nn
 
+    params = dict(model.named_parameters())
+    by_param = {id(params[name]): weight for name, weight in (packed or {}).items()}
     owners = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
     keeps_weights = bool(getattr(quantizer, "keeps_weights", False))
+    pack, make_embedding = getattr(quantizer, "pack", None), getattr(quantizer, "make_embedding", None)
+    if pack is not None and make_embedding is not None:
+        embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        for module in model.modules():
+            tied = isinstance(module, nn.Linear) and owners[id(module.weight)] > 1 and id(module.weight) in embedded
+            if tied and id(module.weight) not in by_param:
+                by_param[id(module.weight)] = pack(module.weight.data)
     count = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and (owners[id(child.weight)] == 1 or keeps_weights):
+            weight = getattr(child, "weight", None)
+            packed_weight = by_param.get(id(weight)) if weight is not None else None
+            if isinstance(child, nn.Linear):
                 bias = None if child.bias is None else child.bias.data
-                setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
+                if packed_weight is not None:
+                    setattr(parent, child_name, quantizer.make_linear(packed_weight, bias))
+                elif owners[id(child.weight)] == 1 or keeps_weights:
+                    setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
+                else:
+                    continue
                 count += 1
+            elif isinstance(child, nn.Embedding) and packed_weight is not None:
+                if make_embedding is not None:
+                    setattr(parent, child_name, make_embedding(packed_weight))
+                else:
+                    with torch.no_grad():
+                        child.weight.copy_(packed_weight.dequantize())
     return count

@@ -12,7 +12,7 @@ from pyagent_framework.interfaces.eviction import EvictionPolicy
 from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher
 from pyagent_framework.interfaces.kv_connector import KVConnector
 from pyagent_framework.interfaces.model import ModelArchitecture
-from pyagent_framework.interfaces.quantizer import Quantizer
+from pyagent_framework.interfaces.quantizer import PackedWeight, Quantizer
 from pyagent_framework.interfaces.reasoning_parser import ReasoningParser
 from pyagent_framework.interfaces.tokenizer import Tokenizer
 from pyagent_framework.interfaces.tool_parser import ToolParser
@@ -26,6 +26,7 @@ __all__ = [
     "GrammarMatcher",
     "KVConnector",
     "ModelArchitecture",
+    "PackedWeight",
     "Quantizer",
     "ReasoningParser",
     "Tokenizer",

@@ -22,6 +22,11 @@ class ModelArchitecture(ABC):
     - ``load_weights(pairs)``: consumes ``(checkpoint_name, tensor)`` pairs with HF
       names and returns the set of names it loaded; an unexpected name or shape is a
       ``ValueError`` naming it.
+    - Optional ``packed_weights()``: a model that accepts
+      :class:`~pyagent_framework.interfaces.PackedWeight` values in ``load_weights``
+      for its linear and embedding weights returns them after loading, by parameter
+      name; the engine builds those layers from them with the quantizer (no
+      dequantize on load).
 
     Real entries subclass ``torch.nn.Module``; this interface keeps the kernel free of
     torch.

@@ -1,24 +1,94 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight matrix kept in a checkpoint's own quantized encoding (GGUF ``Q4_1``
+    blocks, say), never turned into floats on load.
+
+    - ``encoding``: the encoding's name (for GGUF files, the GGML type name).
+    - ``shape``: the logical ``(rows, columns)``; for a linear weight,
+      ``(out_features, in_features)``.
+    - ``data``: a ``uint8`` torch tensor ``[rows, bytes_per_row]``. Every encoding read
+      this way codes each row on its own, so rows can be sliced, concatenated and
+      permuted as bytes.
+    - ``decode``: ``decode(packed) -> float32 tensor of shape``. The weight format that
+      made the weight supplies it, so a weight can always be turned back into floats.
+    - ``name``: the checkpoint's name of the tensor, for messages.
+    """
+
+    encoding: str
+    shape: tuple[int, int]
+    data: Any
+    decode: Callable[[PackedWeight], Any]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2 or tuple(self.data.shape[:1]) != (self.shape[0],) or self.data.dim() != 2:
+            raise ValueError(
+                f"packed weight {self.name or '?'}: data of shape {tuple(self.data.shape)} does not hold "
+                f"{self.shape[0]} rows of {self.encoding}"
+            )
+
+    def dequantize(self) -> Any:
+        """The weight as a float32 tensor of ``shape``."""
+        return self.decode(self)
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """Rows ``start:stop`` (a view of the same bytes)."""
+        data = self.data[start:stop]
+        return PackedWeight(self.encoding, (data.shape[0], self.shape[1]), data, self.decode, self.name)
+
+    @staticmethod
+    def concat(parts: Sequence[PackedWeight], name: str = "") -> PackedWeight:
+        """The rows of ``parts`` one after another; they must share an encoding and a
+        column count (``ValueError`` otherwise)."""
+        import torch
+
+        first = parts[0]
+        for part in parts[1:]:
+            if (part.encoding, part.shape[1], part.data.shape[1]) != (first.encoding, first.shape[1], first.data.shape[1]):
+                raise ValueError(
+                    f"cannot join packed weights {first.name!r} ({first.encoding}, {first.shape[1]} columns) and "
+                    f"{part.name!r} ({part.encoding}, {part.shape[1]} columns)"
+                )
+        data = torch.cat([p.data for p in parts]) if len(parts) > 1 else first.data
+        return PackedWeight(first.encoding, (data.shape[0], first.shape[1]), data, first.decode, name or first.name)
 
 
 class Quantizer(ABC):
     """Turns a linear layer's weight into the module that computes the layer.
 
-    Built as ``cls(**options)``. ``make_linear(weight, bias)`` receives the checkpoint
-    weight (``[out_features, in_features]``) and returns a ``torch.nn.Module`` whose
-    ``forward(x)`` computes ``x @ weight.T + bias`` (up to the quantizer's error).
-    ``supported_devices`` names the torch device types it runs on.
+    Built as ``cls(**options)`` (``--quantization-config JSON`` gives the options).
+    ``make_linear(weight, bias)`` receives the checkpoint weight (``[out_features,
+    in_features]``) and returns a ``torch.nn.Module`` whose ``forward(x)`` computes
+    ``x @ weight.T + bias`` (up to the quantizer's error). ``supported_devices`` names
+    the torch device types it runs on.
 
-    Optional: ``keeps_weights = True`` declares that the module computes from the very
-    weight tensor it is given (no copy, no conversion); the engine then also replaces
-    linears whose weight is shared, such as a tied output head, since the tie holds.
+    Optional:
+
+    - ``keeps_weights = True`` declares that the module computes from the very weight
+      tensor it is given (no copy, no conversion); the engine then also replaces linears
+      whose weight is shared, such as a tied output head, since the tie holds.
+    - ``packed_encodings``: encodings the quantizer computes from directly. When the
+      weight format can keep them (GGUF), such weights reach ``make_linear`` as a
+      :class:`PackedWeight` instead of floats; weights in other encodings arrive as
+      floats, dequantized on load.
+    - ``make_embedding(packed)``: an ``nn.Embedding``-like module reading a packed
+      embedding table (its ``forward(ids)`` returns float rows). Without it a packed
+      embedding is dequantized on load.
+    - ``needs_packed = True``: the quantizer only makes sense on a checkpoint that can
+      keep its encodings; the engine refuses other checkpoints with a clear error.
     """
 
     __required_attributes__ = ("supported_devices",)
     supported_devices: tuple[str, ...]
+    packed_encodings: frozenset[str] = frozenset()
 
     @abstractmethod
     def make_linear(self, weight: Any, bias: Any = None) -> Any: ...

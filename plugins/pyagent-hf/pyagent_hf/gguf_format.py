@@ -4,16 +4,23 @@
 ``iter_weights`` yields float32 torch tensors under HF parameter names, one at a time,
 dequantized with ``gguf.quants.dequantize`` and with llama.cpp's Q/K row permutation
 (``convert_hf_to_gguf.py``'s ``permute``, applied for the ``llama`` architecture) undone.
+
+Asked for ``packed`` encodings (GGML type names such as ``Q4_1``), it yields the 2-D
+tensors stored in one of them as :class:`PackedWeight`\\s holding the file's bytes,
+row by row (the Q/K permutation moves whole rows, so it applies to the bytes too).
+Quantized tensors in other types are dequantized as before, with one warning per type
+naming the first such tensor: the quantizer then computes them in float32.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pyagent_framework.interfaces import WeightFormat
+from pyagent_framework.interfaces import PackedWeight, WeightFormat
 
 from pyagent_hf._gguf import GGUFHeader, TensorInfo, is_gguf, read_header
 
@@ -48,6 +55,8 @@ _PER_LAYER = {
 _SKIPPED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+logger = logging.getLogger(__name__)
+
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The HF parameter name of a GGUF tensor, or None for a tensor HF has no name for."""
@@ -73,8 +82,23 @@ def unpermute_qk(weights, n_head: int):
     )
 
 
+def dequantize_packed(packed: PackedWeight):
+    """The float32 torch tensor of a packed GGUF weight (``PackedWeight.decode``)."""
+    import numpy as np
+    import torch
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = packed.data.numpy()
+    values = dequantize(data, GGMLQuantizationType[packed.encoding])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(packed.shape))
+
+
 class GGUFFormat(WeightFormat):
     """llama.cpp GGUF files (``llama``, ``qwen2`` and ``qwen3`` architectures)."""
+
+    supports_packed = True
+    default_quantization = "gguf"
 
     def matches(self, path: str) -> bool:
         p = Path(path)
@@ -186,7 +210,7 @@ class GGUFFormat(WeightFormat):
 
     # -- weights --------------------------------------------------------------------------
 
-    def iter_weights(self, path: str) -> Iterator[tuple[str, Any]]:
+    def iter_weights(self, path: str, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
         header = self._header(path)
         arch = self._architecture(header)
         plan: list[tuple[TensorInfo, str]] = []
@@ -197,9 +221,9 @@ class GGUFFormat(WeightFormat):
             if hf_name is None:
                 raise ValueError(f"GGUF file {header.path!r}: tensor {info.name!r} has no HF counterpart")
             plan.append((info, hf_name))
-        return self._iter(header, arch, plan)
+        return self._iter(header, arch, plan, frozenset(packed))
 
-    def _iter(self, header: GGUFHeader, arch: str, plan: list[tuple[TensorInfo, str]]):
+    def _iter(self, header: GGUFHeader, arch: str, plan: list[tuple[TensorInfo, str]], packed: frozenset[str]):
         import numpy as np
         import torch
         from gguf.constants import GGMLQuantizationType
@@ -214,10 +238,28 @@ class GGUFFormat(WeightFormat):
             GGMLQuantizationType.F16: np.float16,
         }
         mm = np.memmap(header.path, dtype=np.uint8, mode="r")
+        unread: set[str] = set()
         try:
             for info, hf_name in plan:
                 qtype = GGMLQuantizationType(info.ggml_type)
                 raw = mm[info.offset : info.offset + info.nbytes]
+                if packed and qtype not in plain and len(info.shape) == 2:
+                    if qtype.name in packed:
+                        rows = raw.reshape(info.shape[0], -1)
+                        if arch in _PERMUTED_QK and ".attn_q." in info.name:
+                            rows = unpermute_qk(rows, n_head)
+                        elif arch in _PERMUTED_QK and ".attn_k." in info.name:
+                            rows = unpermute_qk(rows, n_kv)
+                        data = torch.from_numpy(np.array(rows, order="C", copy=True))
+                        yield hf_name, PackedWeight(qtype.name, info.shape, data, dequantize_packed, info.name)
+                        continue
+                    if qtype.name not in unread:
+                        unread.add(qtype.name)
+                        logger.warning(
+                            "GGUF file %s: tensor %r has type %s, which the quantizer does not read (it reads %s); "
+                            "tensors of this type are dequantized to float32 on load",
+                            header.path, info.name, qtype.name, ", ".join(sorted(packed)),
+                        )
                 try:
                     if qtype in plain:
                         data = raw.view(plain[qtype]).reshape(info.shape)
