@@ -17,6 +17,16 @@ class AttentionBackend(ABC):
     head_size]``) into ``kv_cache`` at ``metadata.slot_mapping``, then returns the
     causal attention output ``[num_tokens, num_heads, head_size]`` of ``query`` over
     each sequence's cached context plus its new tokens.
+
+    Optional: a classmethod ``fuse_decoder(layers, shape)`` returning a callable that
+    runs a whole decode step of a Llama-family stack at once, or None. ``layers`` lists
+    per layer its norm weights (``input_norm``, ``post_norm``, ``q_norm``, ``k_norm``),
+    its linear modules (``qkv``, ``o``, ``gate_up``, ``down``) and ``sliding_window``;
+    ``shape`` has ``hidden_size``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``intermediate_size``, ``eps`` and ``scale``. The callable, given ``(x, cos, sin,
+    kv_caches, metadata)``, advances the residual stream ``x`` in place through every
+    layer and returns True, or returns False for a batch it does not take (the model
+    then runs its own layers).
     """
 
     @abstractmethod

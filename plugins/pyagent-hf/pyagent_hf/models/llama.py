@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyagent_framework.interfaces import ModelArchitecture
+from pyagent_framework.interfaces import ModelArchitecture, PackedWeight
 from pyagent_framework.types import ForwardContext
 
 from .rope import RotaryEmbedding, rope_parameters
@@ -206,6 +206,9 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     """
 
     spec: ClassVar[DecoderSpec] = DecoderSpec()
+    #: Whether a pure-decode step may run through the attention backend's fused
+    #: decoder when it offers one (see :meth:`_fused_decoder`); off: always this forward.
+    use_fused_decode: bool = True
 
     def __init__(self, config: Mapping[str, Any], attention_backend: type) -> None:
         super().__init__()
@@ -265,6 +268,9 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)  # inference only
+        # Packed (quantized) weights load_weights keeps: parameter name -> row offset -> part.
+        self._packed: dict[str, dict[int, PackedWeight]] = {}
+        self._fused = None  # the backend's fused decode step: None (not asked yet), False (none)
 
     def _sliding_window(self, config: Mapping[str, Any]) -> int | None:
         """The configured sliding window, if the architecture has one."""
@@ -299,9 +305,52 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, self._token_seq_lens(context, positions), dtype=x.dtype)
+        fused = self._fused_decoder() if context is not None else None
+        if fused is not None and fused(x, cos, sin, context.kv_caches, context.metadata):
+            return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, context.kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, context)
         return self.model.norm(x)
+
+    def _fused_decoder(self):
+        """The attention backend's whole-stack decode step, asked for once per model:
+        a backend may offer ``fuse_decoder(layers, shape)``, a callable that runs a
+        pure-decode batch through every layer at once (the native core's does) and
+        returns False for any batch it does not take. None when there is none, or when
+        ``use_fused_decode`` is off (this forward is then the only path)."""
+        if not self.use_fused_decode:
+            return None
+        if self._fused is None:
+            self._fused = False
+            layers = list(self.model.layers)
+            backend = type(layers[0].self_attn.attn) if layers else None
+            fuse = getattr(backend, "fuse_decoder", None)
+            if fuse is not None and all(type(layer.self_attn.attn) is backend for layer in layers):
+                described = [
+                    {
+                        "input_norm": layer.input_layernorm.weight,
+                        "post_norm": layer.post_attention_layernorm.weight,
+                        "q_norm": None if layer.self_attn.q_norm is None else layer.self_attn.q_norm.weight,
+                        "k_norm": None if layer.self_attn.k_norm is None else layer.self_attn.k_norm.weight,
+                        "qkv": layer.self_attn.qkv_proj,
+                        "o": layer.self_attn.o_proj,
+                        "gate_up": layer.mlp.gate_up_proj,
+                        "down": layer.mlp.down_proj,
+                        "sliding_window": window,
+                    }
+                    for layer, window in zip(layers, self.layer_windows, strict=True)
+                ]
+                shape = {
+                    "hidden_size": self.hidden_size,
+                    "num_heads": self.num_heads,
+                    "num_kv_heads": self.num_kv_heads,
+                    "head_dim": self.head_dim,
+                    "intermediate_size": self.intermediate_size,
+                    "eps": self.rms_norm_eps,
+                    "scale": self.head_dim**-0.5,
+                }
+                self._fused = fuse(described, shape) or False
+        return self._fused or None
 
     def _token_seq_lens(self, context: ForwardContext, positions: torch.Tensor) -> torch.Tensor | None:
         """Each token's sequence length after this step (only dynamic RoPE needs it)."""
@@ -341,8 +390,14 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
                 targets[name] = (param, 0, param.shape[0])
         return targets
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> set[str]:
+        """Copy checkpoint tensors into the model (see the class docstring).
+
+        A :class:`PackedWeight` for a linear or embedding weight is kept as it is, for
+        :meth:`packed_weights`; one for any other parameter is dequantized."""
         targets = self._param_targets()
+        names = {id(param): name for name, param in self.named_parameters()}
+        packable = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
@@ -360,7 +415,34 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             expected = (rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            if isinstance(tensor, PackedWeight):
+                if id(param) in packable:
+                    self._packed.setdefault(names[id(param)], {})[offset] = tensor
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             with torch.no_grad():
                 param[offset : offset + rows].copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def packed_weights(self) -> dict[str, PackedWeight]:
+        """The packed weights :meth:`load_weights` kept, by parameter name, each handed
+        out once. A fused parameter (``qkv_proj``, ``gate_up_proj``) is one packed weight
+        when all its parts came in one encoding; otherwise its packed parts are
+        dequantized into the parameter, and it is computed from floats."""
+        params = dict(self.named_parameters())
+        out: dict[str, PackedWeight] = {}
+        for name, parts in self._packed.items():
+            param = params[name]
+            ordered = [parts[offset] for offset in sorted(parts)]
+            same = len({(p.encoding, p.data.shape[1]) for p in ordered}) == 1
+            if same and sum(p.shape[0] for p in ordered) == param.shape[0]:
+                out[name] = PackedWeight.concat(ordered, name=name)
+                continue
+            logger.info("%s: parts in mixed encodings or partly unpacked; computed from dequantized floats", name)
+            with torch.no_grad():
+                for offset, part in parts.items():
+                    param[offset : offset + part.shape[0]].copy_(part.dequantize())
+        self._packed = {}
+        return out
