@@ -1,0 +1,119 @@
+"""Modules that compute from packed weights.
+
+:class:`PackedLinear` runs decode-sized inputs (up to ``max_rows`` rows) through the
+native core's fused dequantize-GEMV/GEMM, which reads each packed byte once; larger
+inputs (prefill) are compute-bound, so the weight is dequantized a slice of rows at a
+time and multiplied by torch's GEMM. Without the native core both run on the torch
+decoders of :mod:`pyagent_quant.encodings`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pyagent_framework.interfaces import PackedWeight
+
+from . import encodings
+
+try:  # the native core is optional: without it the torch twin computes
+    from pyagent_native import _core
+except ImportError:  # pragma: no cover - exercised where pyagent-native is absent
+    _core = None
+
+# Prefill dequantizes this many weight rows at a time (a slice stays in cache).
+_SLICE = 1024
+
+
+def native_available() -> bool:
+    return _core is not None and hasattr(_core, "quantized_linear")
+
+
+class PackedLinear(torch.nn.Module):
+    """``x @ W.T + bias`` for a packed ``W`` (float32 in, float32 out)."""
+
+    max_rows = 64
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, *, native: bool | None = None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.out_features, self.in_features = packed.shape
+        expected = encodings.row_bytes(packed.encoding, self.in_features)
+        if packed.data.dtype != torch.uint8 or tuple(packed.data.shape) != (self.out_features, expected):
+            raise ValueError(
+                f"{packed.name or 'weight'}: {packed.encoding} rows of {self.in_features} columns take {expected} "
+                f"bytes, got {packed.data.dtype} {tuple(packed.data.shape)}"
+            )
+        if not packed.data.is_contiguous():
+            packed = PackedWeight(packed.encoding, packed.shape, packed.data.contiguous(), packed.decode, packed.name)
+            self.packed = packed
+        # The packed bytes are a buffer: they follow the module in state_dict and .to().
+        self.register_buffer("data", packed.data, persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.encoding, self.group = encodings.kernel_encoding(packed.encoding)
+        self.native = native_available() if native is None else native
+        if self.native and not native_available():
+            raise ValueError("the native core (pyagent-native, with quantized kernels) is not installed")
+        if self.native:
+            self._data_array = packed.data.numpy()
+            self._bias_array = None if self.bias is None else self.bias.detach().numpy()
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, encoding={self.packed.encoding}, "
+            f"bias={self.bias is not None}, native={self.native}"
+        )
+
+    def native_operand(self) -> dict | None:
+        """How the native core's fused decoder reads this layer, or None without the core."""
+        if not self.native:
+            return None
+        return {"data": self._data_array, "encoding": self.encoding, "group": self.group, "bias": self._bias_array}
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Float32 weight rows ``start:stop``."""
+        part = self.packed.rows(start, self.out_features if stop is None else stop)
+        if not self.native:
+            return encodings.dequantize(part)
+        out = torch.empty(part.shape, dtype=torch.float32)
+        _core.dequantize(out.numpy(), part.data.numpy(), self.encoding, self.group, torch.get_num_threads())
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.forward(x.float()).to(x.dtype)
+        rows = x.numel() // self.in_features if self.in_features else 0
+        flat = x.reshape(rows, self.in_features)
+        if self.native and 0 < rows <= self.max_rows and x.device.type == "cpu" and not x.requires_grad:
+            flat = flat.contiguous()
+            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+            _core.quantized_linear(
+                out.numpy(), flat.detach().numpy(), self._data_array, self.encoding, self.group,
+                self._bias_array, torch.get_num_threads(),
+            )
+            return out.view(*x.shape[:-1], self.out_features)
+        out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)
+        for start in range(0, self.out_features, _SLICE):
+            stop = min(start + _SLICE, self.out_features)
+            bias = None if self.bias is None else self.bias[start:stop]
+            out[:, start:stop] = F.linear(flat, self.dequantize(start, stop).to(x.device), bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class PackedEmbedding(torch.nn.Module):
+    """An embedding table kept packed; a lookup decodes only the rows it needs."""
+
+    def __init__(self, packed: PackedWeight) -> None:
+        super().__init__()
+        encodings.row_bytes(packed.encoding, packed.shape[1])  # a known encoding
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.shape
+        self.register_buffer("data", packed.data, persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, encoding={self.packed.encoding}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id outside the embedding's {self.num_embeddings} rows")
+        return encodings.dequantize_rows(self.packed, ids)

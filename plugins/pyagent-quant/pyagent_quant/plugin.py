@@ -1,0 +1,35 @@
+"""Hook implementations of pyagent-quant.
+
+The entry point ``quant`` in the ``pyagent_framework`` group names this module. The
+quantizers are registered as lazy ``"module:attr"`` strings: listing plugins imports
+neither torch nor the native core.
+"""
+
+from pyagent_framework import hookimpl
+
+# The pyagent_framework plugin API versions this plugin works with.
+PYAGENT_API = ">=1.0,<2"
+
+
+@hookimpl
+def pyagent_register_quantizers(register):
+    register(
+        "int8",
+        "pyagent_quant.quantizers:Int8Quantizer",
+        description="weight-only int8, symmetric per output channel (CPU; native fused GEMV/GEMM)",
+    )
+    register(
+        "int4",
+        "pyagent_quant.quantizers:Int4Quantizer",
+        description="weight-only int4, asymmetric per group of 32/64/128 columns (option group_size; CPU)",
+    )
+    register(
+        "gguf",
+        "pyagent_quant.quantizers:GGUFQuantizer",
+        description="a GGUF file's Q8_0/Q4_0/Q4_1/Q6_K tensors computed as stored (default for GGUF files)",
+    )
+    register(
+        "fp8",
+        "pyagent_quant.quantizers:FP8Quantizer",
+        description="weight-only float8 e4m3, per-output-channel scale",
+    )

@@ -1,0 +1,163 @@
+"""The quantizers: ``int8``, ``int4``, ``gguf`` and ``fp8``.
+
+``int8`` and ``int4`` quantize a checkpoint's float weights when the model loads;
+``gguf`` computes from a GGUF file's quantized tensors as stored; ``fp8`` keeps
+weights as float8 e4m3. A tied embedding and output head (one weight, two uses) is
+quantized once and serves both (``pack`` + ``make_embedding``), so the model's largest
+matrix shrinks too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pyagent_framework.interfaces import PackedWeight, Quantizer
+
+from . import encodings
+from .linear import PackedEmbedding, PackedLinear, native_available
+
+
+def _float_weight(weight, quantizer: str) -> torch.Tensor:
+    if isinstance(weight, PackedWeight):
+        weight = weight.dequantize()
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        shape = tuple(getattr(weight, "shape", ()))
+        raise ValueError(f"quantization {quantizer!r}: a linear weight must be 2-D [out, in], got shape {shape}")
+    if not weight.is_floating_point():
+        raise ValueError(f"quantization {quantizer!r}: a linear weight must be floating point, got {weight.dtype}")
+    return weight
+
+
+class _PackingQuantizer(Quantizer):
+    """Quantizes float weights into a packed encoding and computes with PackedLinear."""
+
+    name = ""
+    supported_devices = ("cpu",)
+
+    def pack(self, weight) -> PackedWeight:
+        raise NotImplementedError
+
+    def make_linear(self, weight, bias=None) -> PackedLinear:
+        if not isinstance(weight, PackedWeight):
+            weight = self.pack(_float_weight(weight, self.name))
+        return PackedLinear(weight, bias)
+
+    def make_embedding(self, packed: PackedWeight) -> PackedEmbedding:
+        return PackedEmbedding(packed)
+
+
+class Int8Quantizer(_PackingQuantizer):
+    """Weight-only int8, one symmetric scale per output channel (``I8``)."""
+
+    name = "int8"
+
+    def __init__(self, **options) -> None:
+        if options:
+            raise TypeError(f"quantizer 'int8' takes no options, got {sorted(options)}")
+
+    def pack(self, weight) -> PackedWeight:
+        return encodings.quantize_i8(_float_weight(weight, self.name))
+
+
+class Int4Quantizer(_PackingQuantizer):
+    """Weight-only int4, asymmetric (scale and minimum) per group of ``group_size``
+    input columns (32, 64 or 128; default 32). A tied embedding/output head is kept in
+    int8 (``I8``), as GGUF files keep it in Q8_0: int4 there costs the most quality
+    for the least memory."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 32) -> None:
+        if type(group_size) is not int or group_size not in encodings.INT4_GROUPS:
+            raise ValueError(f"group_size must be one of {encodings.INT4_GROUPS}, got {group_size!r}")
+        self.group_size = group_size
+
+    def make_linear(self, weight, bias=None) -> PackedLinear:
+        if not isinstance(weight, PackedWeight):
+            weight = encodings.quantize_i4(_float_weight(weight, self.name), self.group_size)
+        return PackedLinear(weight, bias)
+
+    def pack(self, weight) -> PackedWeight:  # a tied embedding/head: see the class docstring
+        return encodings.quantize_i8(_float_weight(weight, self.name))
+
+
+class GGUFQuantizer(Quantizer):
+    """A GGUF file's ``Q8_0``, ``Q4_0``, ``Q4_1`` and ``Q6_K`` tensors, computed as stored.
+
+    Linear weights in other types (and float ones) arrive dequantized (the GGUF format
+    logs which) and are computed in float32: with the native core's small-batch
+    kernel when it is installed, else by torch."""
+
+    supported_devices = ("cpu",)
+    packed_encodings = encodings.GGUF_ENCODINGS
+    needs_packed = True
+
+    def __init__(self, **options) -> None:
+        if options:
+            raise TypeError(f"quantizer 'gguf' takes no options, got {sorted(options)}")
+
+    def make_linear(self, weight, bias=None):
+        if isinstance(weight, PackedWeight):
+            if weight.encoding not in self.packed_encodings:
+                raise ValueError(
+                    f"quantization 'gguf': tensor {weight.name!r} has type {weight.encoding}, which it does not read "
+                    f"(it reads {', '.join(sorted(self.packed_encodings))})"
+                )
+            return PackedLinear(weight, bias)
+        weight = _float_weight(weight, "gguf").float().contiguous()
+        if native_available():
+            from pyagent_native.linear import NativeLinear
+
+            return NativeLinear(weight, bias)
+        from pyagent_framework.builtins.unquantized import UnquantizedLinear
+
+        return UnquantizedLinear(weight, bias)
+
+    def make_embedding(self, packed: PackedWeight) -> PackedEmbedding:
+        return PackedEmbedding(packed)
+
+
+class FP8Linear(torch.nn.Module):
+    """``x @ (scale * W8).T + bias`` with ``W8`` in float8 e4m3 and one float32 scale
+    per output channel; the weight is widened a slice at a time for the product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        # e4m3's largest finite value is 448: each row's largest magnitude maps to it.
+        scale = w.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        self.register_buffer("weight", (w / scale).to(torch.float8_e4m3fn))
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        parts = []
+        for start in range(0, self.out_features, 1024):
+            w = self.weight[start : start + 1024].float() * self.scale[start : start + 1024]
+            parts.append(F.linear(x, w))
+        out = torch.cat(parts, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(dtype)
+
+
+class FP8Quantizer(Quantizer):
+    """Weight-only float8 (e4m3) with a per-output-channel scale, where torch has the
+    dtype (torch >= 2.1). Memory is one byte per weight; the product widens the weight
+    to float32 slice by slice, so on CPU it is slower than float32."""
+
+    supported_devices = ("cpu", "cuda")
+
+    def __init__(self, **options) -> None:
+        if options:
+            raise TypeError(f"quantizer 'fp8' takes no options, got {sorted(options)}")
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(f"quantization 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
+
+    def make_linear(self, weight, bias=None) -> FP8Linear:
+        return FP8Linear(_float_weight(weight, "fp8"), bias)

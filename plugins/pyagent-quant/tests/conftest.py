@@ -1,0 +1,255 @@
+"""Shared helpers of the pyagent-quant tests: packed weights in every encoding, a Q6_K
+quantizer (the ``gguf`` package only dequantizes Q6_K) and a writer of tiny llama GGUF
+files whose tensors are quantized to chosen GGML types.
+
+The tests run with ``--import-mode=importlib``, where a test module cannot import this
+file; the helpers reach them as the session fixture ``quant_helpers``. (The pyagent-hf
+tests' ``_write_gguf`` lives in a test module of a directory that is no package, so it
+cannot be imported either; this writer adds quantized tensors, which it lacks.)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+#: Block size and bytes per block of the GGUF encodings, and where each block keeps
+#: its f16 fields (byte offsets).
+GGUF_BLOCKS = {"Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def finite_f16(rng: np.random.Generator, size, low: float | None = None, high: float | None = None) -> np.ndarray:
+    """Random finite f16 values: any bit pattern but inf/NaN (subnormals, signed zeros
+    and the extremes included), or uniform in ``[low, high)`` when given."""
+    if low is not None:
+        return rng.uniform(low, high, size).astype(np.float16)
+    bits = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+    exponent = (bits >> 10) & 31
+    bits = np.where(exponent == 31, bits & ~np.uint16(1 << 10), bits).astype(np.uint16)  # exponent 31 -> 30
+    return bits.view(np.float16)
+
+
+def random_gguf_bytes(encoding: str, rows: int, columns: int, rng: np.random.Generator, scale=None) -> np.ndarray:
+    """``uint8 [rows, bytes_per_row]`` of random blocks whose f16 fields are finite:
+    random f16 bit patterns, or uniform in ``scale = (low, high)``."""
+    block, size, fields = GGUF_BLOCKS[encoding]
+    assert columns % block == 0
+    blocks = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
+    for at in fields:
+        values = finite_f16(rng, (rows, columns // block), *(scale or ()))
+        blocks[..., at : at + 2] = values.view(np.uint8).reshape(rows, columns // block, 2)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """GGML's Q6_K blocks for float32 ``[rows, columns]`` (columns a multiple of 256):
+    per 16 values an int8 scale, per 256 an f16 ``d``, 6-bit codes ``q - 32`` laid out as
+    ggml's ``dequantize_row_q6_K`` reads them. Simpler than llama.cpp's search for the
+    best scales (max-abs scales), but the same format."""
+    rows, columns = values.shape
+    assert columns % 256 == 0
+    x = np.asarray(values, np.float32).reshape(-1, 256)
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    sub_scale = np.abs(sub).max(-1) / 31  # codes in [-31, 31]
+    d16 = (sub_scale.max(-1) / 127).astype(np.float16)
+    d = d16.astype(np.float32)
+    safe_d = np.where(d > 0, d, 1)
+    sc = np.where(d[:, None] > 0, np.clip(np.round(sub_scale / safe_d[:, None]), -128, 127), 0).astype(np.int8)
+    eff = d[:, None] * sc.astype(np.float32)
+    safe_eff = np.where(eff > 0, eff, 1)
+    q = np.where(eff[..., None] > 0, np.clip(np.round(sub / safe_eff[..., None]), -32, 31), 0)
+    codes = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, j, l]: value l + 32 j
+    low, high = codes & 15, codes >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    blocks = np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=-1
+    )
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def gguf_quantize(values: np.ndarray, type_name: str) -> np.ndarray:
+    """``values`` (float32 ``[rows, columns]``) in the GGML type ``type_name``: the bytes
+    for a quantized type, the array itself for F32/F16."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    values = np.ascontiguousarray(values, np.float32)
+    if type_name == "F32":
+        return values
+    if type_name == "F16":
+        return values.astype(np.float16)
+    if type_name == "Q6_K":
+        return quantize_q6_k(values)
+    return quantize(values, GGMLQuantizationType[type_name])
+
+
+def packed_weight(encoding: str, rows: int, columns: int, seed: int = 0, name: str = ""):
+    """A realistic :class:`PackedWeight` in ``encoding``: GGUF types quantized from (or,
+    for Q6_K, random blocks with) weights of about N(0, 0.05); ``I8``/``I4_G*`` from
+    ``quantize_i8``/``quantize_i4``."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pyagent_framework.interfaces import PackedWeight
+    from pyagent_quant import encodings
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=gen) * 0.05
+    if encoding == "I8":
+        return encodings.quantize_i8(weight, name)
+    if encoding.startswith("I4_G"):
+        return encodings.quantize_i4(weight, int(encoding[4:]), name)
+    if encoding == "Q6_K":
+        data = random_gguf_bytes("Q6_K", rows, columns, np.random.default_rng(seed), scale=(1e-5, 2e-4))
+    else:
+        data = quantize(weight.numpy(), GGMLQuantizationType[encoding])
+    return PackedWeight(encoding, (rows, columns), torch.from_numpy(np.ascontiguousarray(data)), encodings.dequantize, name)
+
+
+# -- tiny GGUF files ----------------------------------------------------------------------
+
+TINY_GGUF = dict(
+    hidden_size=256,  # Q6_K codes rows of multiples of 256 columns
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,  # = tests/tiny_models.VOCAB: the tiny HF tokenizer serves the file
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute`` (Q with the head count, K with
+    the KV head count)."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}"
+
+
+def tiny_llama_state(tied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random transformers Llama of :data:`TINY_GGUF`'s shape; weights of N(0, 0.06)
+    so that logits are far from uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_GGUF, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.06)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if "rotary" not in k}
+    if tied:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def write_tiny_gguf(path: Path, state: dict[str, torch.Tensor], types: dict[str, str]) -> Path:
+    """A llama GGUF of ``state`` (HF names), each 2-D tensor stored in ``types[gguf
+    name]`` (default Q8_0; 1-D tensors F32), Q/K rows permuted as llama.cpp's converter
+    does. No ``output.weight`` in ``state``: the file has tied embeddings."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    c = TINY_GGUF
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(c["vocab_size"])])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for hf_name, tensor in state.items():
+        name = gguf_name(hf_name)
+        array = tensor.float().numpy()
+        if ".attn_q." in name:
+            array = llama_cpp_permute(array, c["num_attention_heads"])
+        elif ".attn_k." in name:
+            array = llama_cpp_permute(array, c["num_key_value_heads"])
+        if array.ndim == 1:
+            w.add_tensor(name, np.ascontiguousarray(array, np.float32))
+            continue
+        kind = types.get(name, "Q8_0")
+        data = gguf_quantize(array, kind)
+        raw = None if kind in ("F32", "F16") else GGMLQuantizationType[kind]
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def quant_helpers():
+    """The module-level helpers above, for test modules (see the module docstring)."""
+    return types.SimpleNamespace(
+        GGUF_BLOCKS=GGUF_BLOCKS,
+        finite_f16=finite_f16,
+        random_gguf_bytes=random_gguf_bytes,
+        quantize_q6_k=quantize_q6_k,
+        gguf_quantize=gguf_quantize,
+        packed_weight=packed_weight,
+        TINY_GGUF=TINY_GGUF,
+        gguf_name=gguf_name,
+        tiny_llama_state=tiny_llama_state,
+        write_tiny_gguf=write_tiny_gguf,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> str:
+    """The tiny byte-level BPE tokenizer of tests/tiny_models.py (320 tokens)."""
+    from tests.tiny_models import save_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-tokenizer")
+    save_tokenizer(directory)
+    return str(directory)
