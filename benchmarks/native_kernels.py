@@ -6,6 +6,12 @@
   3072x576, down 576x1536; 424 MB, so they stream from memory as in a real step) and
   the 49,152x576 output head, for 1 to 64 rows: ``torch.nn.functional.linear`` vs
   ``pyagent_native._core.linear``.
+- quantized linear: ``pyagent_native._core.quantized_linear`` (the packed weight read
+  directly) per encoding vs the native fp32 ``linear`` on a float weight of the same
+  shape and vs ``_core.dequantize`` + ``torch.nn.functional.linear`` (the prefill path),
+  on SmolLM2's shapes for 1 to 32 rows, with the effective GB/s of weight bytes read
+  for one row. Each weight is cycled through copies totalling 96 MB (more than the
+  L3), so it streams from memory as in a real decode step.
 - decode attention: one layer's decode over a paged cache (9 query heads, 3 key/value
   heads, head size 64, blocks of 16 scattered in the pool) for 64 sequences at several
   context lengths: the built-in ``torch`` backend vs the ``native`` backend.
@@ -16,6 +22,7 @@ Each figure is the best of several repetitions (the machine is shared and noisy)
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -67,6 +74,100 @@ def bench_linear(repeat: int) -> None:
         )
 
 
+# encoding, group, label: what the quantized section times.
+QUANT_KINDS = [("Q4_1", 0, "Q4_1"), ("Q8_0", 0, "Q8_0"), ("I8", 0, "I8"), ("I4", 32, "I4 g32"), ("Q6_K", 0, "Q6_K")]
+
+
+def random_quantized(encoding: str, group: int, n: int, k: int, gen: torch.Generator):
+    """Random codes with finite, weight-sized half scales (uint8 [n, row bytes])."""
+    import numpy as np
+
+    from pyagent_native import _core
+
+    row_bytes = _core.quant_row_bytes(encoding, k, group)
+    data = torch.randint(0, 256, (n, row_bytes), dtype=torch.uint8, generator=gen).numpy()
+    if encoding == "I8":
+        data[:, :4] = (torch.rand(n, 1, generator=gen) * 0.01).numpy().view(np.uint8)
+        return data
+    block, size, fields = {
+        "Q8_0": (32, 34, [0]),
+        "Q4_0": (32, 18, [0]),
+        "Q4_1": (32, 20, [0, 2]),
+        "Q6_K": (256, 210, [208]),
+        "I4": (group, 4 + group // 2, [0, 2]),
+    }[encoding]
+    blocks = data.reshape(n, -1, size)
+    for offset in fields:
+        halves = (torch.randn(n, blocks.shape[1], generator=gen) * 0.01).half().numpy()
+        blocks[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(n, -1, 2)
+    return data
+
+
+def bench_quantized(repeat: int, threads: int) -> None:
+    from pyagent_native import _core
+
+    pool_bytes = 96 << 20
+    deq_copies = 16
+    shapes = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]
+    rows_list = (1, 4, 16, 32)
+    gen = torch.Generator().manual_seed(0)
+
+    def per_call_us(fn, copies: int) -> float:
+        return best_ms(lambda: [fn(i) for i in range(copies)], repeat) * 1e3 / copies
+
+    print(
+        f"quantized linear (threads={threads}, load average {os.getloadavg()[0]:.2f}): us per call, "
+        f"weights cycled through {pool_bytes >> 20} MB"
+    )
+    print("  native: _core.quantized_linear; fp32: _core.linear on a float weight of the same shape;")
+    print(f"  deq+F: _core.dequantize + F.linear (through at most {deq_copies} copies: its float matmul dominates)")
+    print("  GB/s: weight bytes per call / time, one row; (x): fp32 time / this time")
+    for n, k in shapes:
+        xs = {m: torch.randn(m, k, generator=gen) for m in rows_list}
+        outs = {m: torch.empty(m, n) for m in rows_list}
+        fp32_bytes = n * k * 4
+        copies = max(1, -(-pool_bytes // fp32_bytes))
+        weights = [torch.randn(n, k, generator=gen).numpy() for _ in range(copies)]
+        fp32 = {
+            m: per_call_us(lambda i, m=m: _core.linear(outs[m].numpy(), xs[m].numpy(), weights[i], None, threads), copies)
+            for m in rows_list
+        }
+        del weights
+        print(f"  {n}x{k}")
+        header = "".join(f"{'rows ' + str(m):>22}" for m in rows_list)
+        print(f"    {'weight':<16}{'KB':>7}{'GB/s':>7}{header}")
+        cells = "".join(f"{fp32[m]:>14.1f}        " for m in rows_list)
+        print(f"    {'fp32':<16}{fp32_bytes / 1024:>7.0f}{fp32_bytes / fp32[1] / 1e3:>7.1f}{cells}")
+        dense = torch.empty(n, k)
+        for encoding, group, label in QUANT_KINDS:
+            if encoding == "Q6_K" and k % 256:
+                print(f"    {label:<16}  n/a: K = {k} is not a multiple of 256")
+                continue
+            row_bytes = _core.quant_row_bytes(encoding, k, group)
+            size = n * row_bytes
+            copies = max(1, -(-pool_bytes // size))
+            packed = [random_quantized(encoding, group, n, k, gen) for _ in range(copies)]
+            native, torch_path = {}, {}
+            for m in rows_list:
+                x, out = xs[m].numpy(), outs[m].numpy()
+
+                def fused(i, x=x, out=out):
+                    _core.quantized_linear(out, x, packed[i], encoding, group, None, threads)
+
+                def dequant_then_torch(i, m=m):
+                    _core.dequantize(dense.numpy(), packed[i], encoding, group, threads)
+                    F.linear(xs[m], dense)
+
+                native[m] = per_call_us(fused, copies)
+                torch_path[m] = per_call_us(dequant_then_torch, min(copies, deq_copies))
+            cells = "".join(f"{native[m]:>10.1f} ({fp32[m] / native[m]:4.1f}x)   " for m in rows_list)
+            print(f"    {label + ' native':<16}{size / 1024:>7.0f}{size / native[1] / 1e3:>7.1f}{cells}")
+            cells = "".join(f"{torch_path[m]:>10.1f} ({fp32[m] / torch_path[m]:4.1f}x)   " for m in rows_list)
+            print(f"    {label + ' deq+F':<16}{'':>7}{size / torch_path[1] / 1e3:>7.1f}{cells}")
+            del packed
+    print(f"  (load average after: {os.getloadavg()[0]:.2f})")
+
+
 def bench_attention(repeat: int) -> None:
     from pyagent_framework.builtins.torch_attention import DecodeBatch, TorchAttention
     from pyagent_native.attention import NativeAttention
@@ -92,13 +193,24 @@ def bench_attention(repeat: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch and native threads (default: torch's)")
+    parser.add_argument(
+        "--only", choices=["linear", "quantized", "attention"], action="append", help="run only these sections"
+    )
     args = parser.parse_args()
     from pyagent_native import _core
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sections = args.only or ["linear", "quantized", "attention"]
     print(f"native core ISA: {_core.best_isa()}")
     with torch.inference_mode():
-        bench_linear(args.repeat)
-    bench_attention(args.repeat)
+        if "linear" in sections:
+            bench_linear(args.repeat)
+        if "quantized" in sections:
+            bench_quantized(args.repeat, torch.get_num_threads())
+    if "attention" in sections:
+        bench_attention(args.repeat)
 
 
 if __name__ == "__main__":

@@ -12,16 +12,22 @@ namespace {
 
 using DecodeFn = bool (*)(const DecodeArgs&, int64_t, int64_t, std::vector<float>&);
 using LinearFn = void (*)(const LinearArgs&, int64_t, int64_t);
+using DequantizeFn = void (*)(const QuantWeight&, float*, int64_t, int64_t);
+using QuantLinearFn = void (*)(const QuantLinearArgs&, int64_t, int64_t);
 
 struct Kernels {
   DecodeFn decode;
   LinearFn linear;
+  DequantizeFn dequantize;
+  QuantLinearFn quantized_linear;
 };
 
 bool cpu_has_avx2() {
 #if defined(PYAGENT_HAVE_AVX2) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // F16C (half conversions, in the quantized kernels) came before AVX2 on every CPU
+  // with both; asked anyway since the AVX2 build may use it.
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
@@ -29,16 +35,33 @@ bool cpu_has_avx2() {
 
 Kernels kernels(const std::string& isa) {
   static const bool has_avx2 = cpu_has_avx2();
-  const Kernels generic_kernels{generic::paged_decode_items, generic::linear_rows};
+  const Kernels generic_kernels{generic::paged_decode_items, generic::linear_rows, generic::dequantize_rows,
+                                generic::quantized_linear_rows};
   if (isa == "generic") return generic_kernels;
   if (isa == "avx2" || isa == "auto") {
 #if defined(PYAGENT_HAVE_AVX2)
-    if (has_avx2) return Kernels{avx2::paged_decode_items, avx2::linear_rows};
+    if (has_avx2) {
+      return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows};
+    }
 #endif
     if (isa == "auto") return generic_kernels;
     throw std::invalid_argument("isa 'avx2' is not available on this CPU or in this build");
   }
   throw std::invalid_argument("unknown isa '" + isa + "' (expected 'auto', 'generic' or 'avx2')");
+}
+
+// fn(begin, end) over contiguous slices of [0, N) on up to num_threads threads, in
+// multiples of four rows (the kernels' step); a thread gets at least 64 rows so a
+// small layer is not split into crumbs.
+template <typename Fn>
+void split_rows(int64_t N, int num_threads, const Fn& fn) {
+  const int64_t quads = (N + 3) / 4;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, quads / 16));
+  ThreadPool::instance().run(static_cast<int>(threads), [&](int t) {
+    const int64_t begin = std::min(N, quads * t / threads * 4);
+    const int64_t end = std::min(N, quads * (t + 1) / threads * 4);
+    if (begin < end) fn(begin, end);
+  });
 }
 
 }  // namespace
@@ -90,15 +113,17 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
 
 void linear(const LinearArgs& args, int num_threads, const std::string& isa) {
   const LinearFn fn = kernels(isa).linear;
-  // Contiguous slices of output features, in multiples of four (the kernel's step);
-  // a thread gets at least 64 features so a small layer is not split into crumbs.
-  const int64_t quads = (args.N + 3) / 4;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, quads / 16));
-  ThreadPool::instance().run(static_cast<int>(threads), [&](int t) {
-    const int64_t begin = std::min(args.N, quads * t / threads * 4);
-    const int64_t end = std::min(args.N, quads * (t + 1) / threads * 4);
-    if (begin < end) fn(args, begin, end);
-  });
+  split_rows(args.N, num_threads, [&](int64_t begin, int64_t end) { fn(args, begin, end); });
+}
+
+void dequantize(const QuantWeight& w, float* out, int num_threads, const std::string& isa) {
+  const DequantizeFn fn = kernels(isa).dequantize;
+  split_rows(w.N, num_threads, [&](int64_t begin, int64_t end) { fn(w, out, begin, end); });
+}
+
+void quantized_linear(const QuantLinearArgs& args, int num_threads, const std::string& isa) {
+  const QuantLinearFn fn = kernels(isa).quantized_linear;
+  split_rows(args.w.N, num_threads, [&](int64_t begin, int64_t end) { fn(args, begin, end); });
 }
 
 }  // namespace pyagent

@@ -18,4 +18,10 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
 // out = x @ weight^T (+ bias) on up to num_threads threads (see LinearArgs).
 void linear(const LinearArgs& args, int num_threads, const std::string& isa);
 
+// out[N, K] = the weight, dequantized exactly, on up to num_threads threads.
+void dequantize(const QuantWeight& w, float* out, int num_threads, const std::string& isa);
+
+// out = x @ dequantize(w)^T (+ bias) on up to num_threads threads (see QuantLinearArgs).
+void quantized_linear(const QuantLinearArgs& args, int num_threads, const std::string& isa);
+
 }  // namespace pyagent

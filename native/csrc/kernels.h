@@ -43,6 +43,57 @@ struct LinearArgs {
   int64_t K;
 };
 
+// A quantized weight: N rows (output features) of K inputs, row n at
+// data + n * row_bytes, each row encoded on its own as consecutive blocks (layouts in
+// quant.cpp). Q8_0, Q4_0, Q4_1 and Q6_K are GGUF's (K a multiple of their block); I8
+// is one f32 scale per row, I4 is Q4_1 with `group` elements per block and a padded
+// last block (any K).
+enum class QuantEncoding : int { Q8_0, Q4_0, Q4_1, Q6_K, I8, I4 };
+
+struct QuantWeight {
+  const uint8_t* data;
+  int64_t N;
+  int64_t K;
+  int64_t row_bytes;
+  QuantEncoding encoding;
+  int64_t group;  // I4: 32, 64 or 128 elements per block; unused otherwise
+};
+
+// Elements per block (I8: a row is one block of K); bytes per block; bytes per row.
+static inline int64_t quant_block_size(QuantEncoding e, int64_t group, int64_t K) {
+  switch (e) {
+    case QuantEncoding::Q6_K: return 256;
+    case QuantEncoding::I8: return K;
+    case QuantEncoding::I4: return group;
+    default: return 32;
+  }
+}
+static inline int64_t quant_block_bytes(QuantEncoding e, int64_t group, int64_t K) {
+  switch (e) {
+    case QuantEncoding::Q8_0: return 2 + 32;
+    case QuantEncoding::Q4_0: return 2 + 16;
+    case QuantEncoding::Q4_1: return 4 + 16;
+    case QuantEncoding::Q6_K: return 128 + 64 + 16 + 2;
+    case QuantEncoding::I8: return 4 + K;
+    case QuantEncoding::I4: return 4 + group / 2;
+  }
+  return 0;
+}
+static inline int64_t quant_row_bytes(QuantEncoding e, int64_t group, int64_t K) {
+  if (e == QuantEncoding::I8) return 4 + K;
+  const int64_t b = quant_block_size(e, group, K);
+  return (K + b - 1) / b * quant_block_bytes(e, group, K);
+}
+
+// out[M, N] = x[M, K] @ dequantize(w)^T (+ bias[N]), out, x, bias C-contiguous float32.
+struct QuantLinearArgs {
+  float* out;
+  const float* x;
+  const float* bias;  // may be null
+  int64_t M;
+  QuantWeight w;
+};
+
 // The first key a decode query of a sequence of `len` tokens sees: 0 without a sliding
 // window, else the oldest of the window's last `window` tokens.
 // static: each per-ISA object keeps its own copy (no cross-ISA ODR merge).
@@ -53,11 +104,17 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
 // Work item i is (sequence i / num_kv_heads, key/value head i % num_kv_heads).
 // Returns false (and leaves the item's output unspecified) when a block id the item
 // must read is outside [0, num_blocks); the caller reports the error.
+// The *_rows kernels compute output features (weight rows) [n_begin, n_end);
+// dequantize_rows writes rows of out[N, K].
 #define PYAGENT_DECLARE_KERNELS(isa)                                                    \
   namespace isa {                                                                     \
   bool paged_decode_items(const DecodeArgs& args, int64_t begin, int64_t end,         \
                           std::vector<float>& scratch);                               \
   void linear_rows(const LinearArgs& args, int64_t n_begin, int64_t n_end);           \
+  void dequantize_rows(const QuantWeight& w, float* out, int64_t n_begin,             \
+                       int64_t n_end);                                                \
+  void quantized_linear_rows(const QuantLinearArgs& args, int64_t n_begin,            \
+                             int64_t n_end);                                          \
   }
 
 PYAGENT_DECLARE_KERNELS(generic)

@@ -9,8 +9,10 @@
 #include "dispatch.h"
 #include "policies.h"
 #include "prefix.h"
+#include "quant_names.h"
 
 namespace py = pybind11;
+
 
 namespace {
 
@@ -102,6 +104,58 @@ void linear(py::array out, py::array x, py::array weight, py::object bias, int n
   pyagent::linear(a, num_threads, isa);
 }
 
+// ------------------------------------------------------------------ quantized weights
+
+int64_t quant_row_bytes(const std::string& encoding, int64_t K, int64_t group) {
+  return pyagent::checked_row_bytes(encoding, K, group);
+}
+
+// data: uint8 [N, row bytes of encoding for K]; `what` says where N comes from.
+pyagent::QuantWeight checked_weight(const py::array& data, const std::string& encoding, int64_t group, int64_t N,
+                                    int64_t K, const char* what) {
+  pyagent::QuantWeight w{};
+  w.data = checked<uint8_t>(data, "data", 2);
+  w.row_bytes = quant_row_bytes(encoding, K, group);
+  w.encoding = pyagent::parse_quant_encoding(encoding);
+  w.group = group;
+  w.N = N;
+  w.K = K;
+  expect_dim(data, "data", 0, N, what);
+  std::string layout = "bytes per row of " + encoding;
+  if (w.encoding == pyagent::QuantEncoding::I4) layout += " group " + std::to_string(group);
+  layout += " with K = " + std::to_string(K);
+  expect_dim(data, "data", 1, w.row_bytes, layout.c_str());
+  return w;
+}
+
+void dequantize(py::array out, py::array data, const std::string& encoding, int64_t group, int num_threads,
+                const std::string& isa) {
+  float* dst = const_cast<float*>(checked<float>(out, "out", 2, true));
+  const pyagent::QuantWeight w = checked_weight(data, encoding, group, out.shape(0), out.shape(1), "out's rows");
+  if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  pyagent::dequantize(w, dst, num_threads, isa);
+}
+
+void quantized_linear(py::array out, py::array x, py::array data, const std::string& encoding, int64_t group,
+                      py::object bias, int num_threads, const std::string& isa) {
+  pyagent::QuantLinearArgs a{};
+  a.out = const_cast<float*>(checked<float>(out, "out", 2, true));
+  a.x = checked<float>(x, "x", 2);
+  a.M = x.shape(0);
+  a.w = checked_weight(data, encoding, group, out.shape(1), x.shape(1), "out's columns: output features");
+  expect_dim(out, "out", 0, a.M, "x's rows");
+  py::array bias_array;
+  if (!bias.is_none()) {
+    bias_array = bias.cast<py::array>();
+    a.bias = checked<float>(bias_array, "bias", 1);
+    expect_dim(bias_array, "bias", 0, a.w.N, "output features");
+  }
+  if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  pyagent::quantized_linear(a, num_threads, isa);
+}
+
 py::list hash_blocks(py::bytes parent, py::array tokens, int64_t block_size) {
   const std::string parent_bytes = parent;
   if (parent_bytes.size() != 32) throw py::value_error("parent must be a 32-byte sha256 digest");
@@ -154,6 +208,16 @@ PYBIND11_MODULE(_core, m) {
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
+  m.def("quant_row_bytes", &quant_row_bytes, py::arg("encoding"), py::arg("K"), py::arg("group") = 0,
+        "Bytes per row of a weight of K input features in `encoding` ('Q8_0', 'Q4_0', 'Q4_1', 'Q6_K', 'I8' or "
+        "'I4'; group: I4's 32, 64 or 128).");
+  m.def("dequantize", &dequantize, py::arg("out"), py::arg("data"), py::arg("encoding"), py::arg("group") = 0,
+        py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        "out[N, K] (float32) = the uint8 [N, row bytes] weight in `encoding`, dequantized exactly (GGUF encodings: "
+        "bit for bit the gguf package's values).");
+  m.def("quantized_linear", &quantized_linear, py::arg("out"), py::arg("x"), py::arg("data"), py::arg("encoding"),
+        py::arg("group") = 0, py::arg("bias") = py::none(), py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once.");
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
         "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");
   bind_policy<pyagent::LRUPolicy>(m, "LRUPolicy",

@@ -1,0 +1,338 @@
+"""The quantized-weight kernels against their references.
+
+- ``dequantize`` of the GGUF encodings (Q8_0, Q4_0, Q4_1, Q6_K) equals the ``gguf``
+  package's ``gguf.quants.dequantize`` bit for bit; of ours (I8, I4 with groups of 32,
+  64 and 128, any K) a numpy reference written here, bit for bit too.
+- ``quantized_linear`` equals ``x @ dequantize(data).T + bias`` computed in float64,
+  within the worst-case rounding bound of float32 summation (see ``_tolerance``), over
+  random shapes, both instruction-set builds and one or two threads.
+- The padding of I4's last group and whatever follows x in memory are never used.
+- Bad arguments are ValueErrors that name the problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyagent_native import _core
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+ISAS = sorted({"generic", _core.best_isa()})
+GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q6_K")
+# encoding -> (elements per block, bytes per block, offsets of its f16 fields)
+GGUF_LAYOUT = {"Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def _halves(rng, shape, scale=0.01):
+    """Finite random halves (as uint8 pairs) of about weight-scale size."""
+    return (rng.standard_normal(shape) * scale).astype(np.float16).view(np.uint8).reshape(*shape[:-1], -1)
+
+
+def random_weight(encoding, n, k, group, rng):
+    """uint8 [n, row bytes]: random codes, finite random scales (and offsets)."""
+    row_bytes = _core.quant_row_bytes(encoding, k, group)
+    data = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    if encoding == "I8":
+        data[:, :4] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float32).view(np.uint8)
+        return data
+    if encoding == "I4":
+        block, size, fields = group, 4 + group // 2, (0, 2)
+    else:
+        block, size, fields = GGUF_LAYOUT[encoding]
+    blocks = data.reshape(n, -1, size)
+    for offset in fields:
+        blocks[:, :, offset : offset + 2] = _halves(rng, (n, blocks.shape[1], 1))
+    return data
+
+
+def reference_i8(data, k):
+    scale = data[:, :4].copy().view(np.float32)  # [n, 1]
+    return scale * data[:, 4 : 4 + k].view(np.int8).astype(np.float32)
+
+
+def reference_i4(data, k, group):
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 4 + group // 2)
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, :, 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+    return (d * q + m).reshape(n, -1)[:, :k]  # float32 ops, separately rounded, as in gguf
+
+
+def reference_dequantize(data, encoding, k, group=0):
+    if encoding == "I8":
+        return reference_i8(data, k)
+    if encoding == "I4":
+        return reference_i4(data, k, group)
+    return gguf_quants.dequantize(data, getattr(GGMLQuantizationType, encoding))
+
+
+def dequantize(data, encoding, k, group=0, isa="auto", threads=1):
+    out = np.empty((data.shape[0], k), np.float32)
+    _core.dequantize(out, data, encoding, group, threads, isa)
+    return out
+
+
+def assert_bits_equal(got, want):
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert diff.size == 0, f"{diff.size} of {got.size} differ, first at {np.unravel_index(diff[0], got.shape)}"
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("encoding", GGUF)
+@pytest.mark.parametrize("n, blocks", [(1, 1), (3, 2), (17, 3), (64, 6)])
+def test_gguf_dequantize_is_bit_exact(encoding, n, blocks, isa):
+    rng = np.random.default_rng(1000 * n + 10 * blocks + GGUF.index(encoding))
+    k = GGUF_LAYOUT[encoding][0] * blocks
+    data = random_weight(encoding, n, k, 0, rng)
+    want = reference_dequantize(data, encoding, k)
+    assert_bits_equal(dequantize(data, encoding, k, isa=isa), want)
+    assert_bits_equal(dequantize(data, encoding, k, isa=isa, threads=2), want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("encoding", GGUF)
+def test_gguf_dequantize_special_halves(encoding, isa):
+    """Zeros, subnormals, the extremes of the half range: the portable build converts
+    halves with integer operations, the AVX2 one with F16C; both must be exact."""
+    special = np.array(
+        [0.0, -0.0, 2.0**-24, -(2.0**-24), 1023 * 2.0**-24, 2.0**-14, 1.0, -1.5, 65504.0, -65504.0, 3.1e-5],
+        dtype=np.float16,
+    )
+    rng = np.random.default_rng(7)
+    block, size, fields = GGUF_LAYOUT[encoding]
+    n = len(special) * len(special)
+    data = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    pairs = np.stack(np.meshgrid(special, special, indexing="ij"), axis=-1).reshape(n, 2)
+    for i, offset in enumerate(fields):
+        data[:, offset : offset + 2] = np.ascontiguousarray(pairs[:, i : i + 1]).view(np.uint8)
+    assert_bits_equal(dequantize(data, encoding, block, isa=isa), reference_dequantize(data, encoding, block))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    encoding_group=st.sampled_from([("I8", 0), ("I4", 32), ("I4", 64), ("I4", 128)]),
+    n=st.integers(1, 20),
+    k=st.integers(1, 300),
+    isa=st.sampled_from(ISAS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_our_encodings_dequantize_exactly(encoding_group, n, k, isa, seed):
+    encoding, group = encoding_group
+    data = random_weight(encoding, n, k, group, np.random.default_rng(seed))
+    assert_bits_equal(dequantize(data, encoding, k, group, isa=isa), reference_dequantize(data, encoding, k, group))
+
+
+def test_quant_row_bytes():
+    assert _core.quant_row_bytes("Q8_0", 64) == 68
+    assert _core.quant_row_bytes("Q4_0", 64) == 36
+    assert _core.quant_row_bytes("Q4_1", 64) == 40
+    assert _core.quant_row_bytes("Q6_K", 512) == 420
+    assert _core.quant_row_bytes("I8", 5) == 9
+    assert _core.quant_row_bytes("I4", 32, 32) == _core.quant_row_bytes("Q4_1", 32)
+    assert _core.quant_row_bytes("I4", 65, 64) == 2 * 36  # last group stored whole
+    assert _core.quant_row_bytes("I4", 128, 128) == 68
+
+
+# ----------------------------------------------------------------------- quantized_linear
+
+
+def _offsets(data, encoding, k, group):
+    """Per element, the float64 offset the fused kernel splits off: m for Q4_1/I4, -8d
+    for Q4_0, none for the others (their kernels scale a plain sum of code * x)."""
+    if encoding in ("Q4_1", "I4"):
+        block, size, field = (32, 20, 2) if encoding == "Q4_1" else (group, 4 + group // 2, 2)
+    elif encoding == "Q4_0":
+        block, size, field = 32, 18, 0
+    else:
+        return None
+    blocks = data.reshape(data.shape[0], -1, size)
+    value = blocks[:, :, field : field + 2].copy().view(np.float16).astype(np.float64)[:, :, 0]
+    if encoding == "Q4_0":
+        value = -8.0 * value
+    return np.repeat(value, block, axis=1)[:, :k]
+
+
+def _tolerance(x, w, offsets, bias, k):
+    """Worst-case error of float32 sums (gamma_n = n * 2^-24 times the sum of the terms'
+    magnitudes) with n the longest chain of roundings any kernel here takes: K/8 lanes'
+    worth of accumulation plus a few dozen for block sums, folds, horizontal sums, the
+    bias and the weight's own rounding. The terms are |x_k| * |w_k|, except where the
+    kernel splits w into (w - offset) + offset and sums the parts apart."""
+    terms = np.abs(w) if offsets is None else np.abs(w - offsets) + np.abs(offsets)
+    magnitude = np.abs(x) @ terms.T
+    if bias is not None:
+        magnitude = magnitude + np.abs(bias)
+    return (k / 8 + 32) * 2.0**-24 * magnitude
+
+
+def _check_linear(data, encoding, group, x, bias, threads, isa):
+    m, k = x.shape
+    n = data.shape[0]
+    w32 = reference_dequantize(data, encoding, k, group)  # == _core.dequantize, tested above
+    w = w32.astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    if bias is not None:
+        want = want + bias
+    out = np.full((m, n), np.nan, np.float32)
+    _core.quantized_linear(out, x, data, encoding, group, bias, threads, isa)
+    err = np.abs(out - want)
+    tol = _tolerance(x.astype(np.float64), w, _offsets(data, encoding, k, group), bias, k)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"{encoding} M={m} N={n} K={k}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+    return out
+
+
+@st.composite
+def linear_cases(draw):
+    encoding, group = draw(
+        st.sampled_from([("Q8_0", 0), ("Q4_0", 0), ("Q4_1", 0), ("Q6_K", 0), ("I8", 0), ("I4", 32), ("I4", 64), ("I4", 128)])
+    )
+    if encoding == "Q6_K":
+        k = 256 * draw(st.integers(1, 3))
+    elif encoding in GGUF:
+        k = 32 * draw(st.integers(1, 24))
+    else:
+        k = draw(st.integers(1, 300))
+    return encoding, group, k
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    case=linear_cases(),
+    m=st.one_of(st.just(1), st.integers(1, 64)),
+    n=st.integers(1, 300),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    isa=st.sampled_from(ISAS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quantized_linear_matches_dequantize_then_matmul(case, m, n, bias, threads, isa, seed):
+    encoding, group, k = case
+    rng = np.random.default_rng(seed)
+    data = random_weight(encoding, n, k, group, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    _check_linear(data, encoding, group, x, b, threads, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("encoding, group", [("Q4_1", 0), ("Q8_0", 0), ("I8", 0), ("I4", 32), ("I4", 128)])
+@pytest.mark.parametrize("n, k", [(576, 576), (1536, 576), (576, 1536)])
+def test_model_shapes(encoding, group, n, k, isa):
+    """SmolLM2-135M's shapes, the builds' agreement with each other included."""
+    rng = np.random.default_rng(n + k)
+    data = random_weight(encoding, n, k, group, rng)
+    for m in (1, 4):
+        _check_linear(data, encoding, group, rng.standard_normal((m, k)).astype(np.float32), None, 2, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q6_k_model_shape(isa):
+    rng = np.random.default_rng(3)
+    data = random_weight("Q6_K", 576, 1536, 0, rng)
+    for m in (1, 3):
+        _check_linear(data, "Q6_K", 0, rng.standard_normal((m, 1536)).astype(np.float32), None, 2, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("encoding, group", [("I8", 0), ("I4", 32), ("I4", 64), ("I4", 128)])
+@pytest.mark.parametrize("k", [1, 7, 9, 31, 33, 100, 129, 300])
+def test_padding_and_memory_past_x_are_never_used(encoding, group, k, isa):
+    """One row of x sits in a buffer whose next floats are NaN, and I4's padding codes
+    are changed: the results stay finite and bit-identical."""
+    rng = np.random.default_rng(k)
+    n = 9
+    data = random_weight(encoding, n, k, group, rng)
+    buffer = np.full(k + 64, np.nan, np.float32)
+    buffer[:k] = rng.standard_normal(k)
+    x = buffer[:k].reshape(1, k)
+    first = _check_linear(data, encoding, group, x, None, 1, isa)
+    if encoding == "I4" and k % group:
+        size, rest = 4 + group // 2, k % group
+        last = data.reshape(n, -1, size)[:, -1, 4:]  # a view: writes go to data
+        for j in range(group // 2):
+            if j >= rest:
+                last[:, j] |= 0x0F  # low nibble: element j of the last group
+            if j + group // 2 >= rest:
+                last[:, j] |= 0xF0  # high nibble: element j + group/2
+        again = _check_linear(data, encoding, group, x, None, 1, isa)
+        assert_bits_equal(again, first)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _linear_args(encoding="Q4_1", m=2, n=4, k=64, group=0):
+    rng = np.random.default_rng(0)
+    return (
+        np.empty((m, n), np.float32),
+        rng.standard_normal((m, k)).astype(np.float32),
+        random_weight(encoding, n, k, group, rng),
+    )
+
+
+def test_bad_arguments_name_the_problem():
+    out, x, data = _linear_args()
+    with pytest.raises(ValueError, match=r"data\.shape\[1\] is 39, expected 40 \(bytes per row of Q4_1 with K = 64\)"):
+        _core.quantized_linear(out, x, np.ascontiguousarray(data[:, :39]), "Q4_1")
+    with pytest.raises(ValueError, match=r"data\.shape\[1\] is 40, expected 68 \(bytes per row of Q8_0 with K = 64\)"):
+        _core.quantized_linear(out, x, data, "Q8_0")
+    with pytest.raises(ValueError, match=r"data\.shape\[1\] is 40, expected 36 \(bytes per row of I4 group 64 with K = 64\)"):
+        _core.quantized_linear(out, x, data, "I4", 64)
+    with pytest.raises(ValueError, match=r"data\.shape\[0\] is 4, expected 5"):
+        _core.quantized_linear(np.empty((2, 5), np.float32), x, data, "Q4_1")
+    with pytest.raises(ValueError, match="data: expected dtype uint8, got int8"):
+        _core.quantized_linear(out, x, data.view(np.int8), "Q4_1")
+    with pytest.raises(ValueError, match="x: expected dtype float32, got float64"):
+        _core.quantized_linear(out, x.astype(np.float64), data, "Q4_1")
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        _core.quantized_linear(out, np.asfortranarray(x), data, "Q4_1")
+    with pytest.raises(ValueError, match=r"out\.shape\[0\] is 3, expected 2 \(x's rows\)"):
+        _core.quantized_linear(np.empty((3, 4), np.float32), x, data, "Q4_1")
+    with pytest.raises(ValueError, match=r"bias\.shape\[0\] is 3, expected 4"):
+        _core.quantized_linear(out, x, data, "Q4_1", 0, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="Q4_1 needs K \\(input features\\) to be a multiple of 32, got 40"):
+        _core.quantized_linear(out, x[:, :40].copy(), data, "Q4_1")
+    with pytest.raises(ValueError, match="Q6_K needs K \\(input features\\) to be a multiple of 256, got 64"):
+        _core.quantized_linear(out, x, data, "Q6_K")
+    with pytest.raises(ValueError, match="encoding: unknown 'Q5_0'"):
+        _core.quantized_linear(out, x, data, "Q5_0")
+    with pytest.raises(ValueError, match="group: I4 takes 32, 64 or 128, got 16"):
+        _core.quantized_linear(out, x, data, "I4", 16)
+    with pytest.raises(ValueError, match="group: only I4 takes a group, got 32 for Q4_1"):
+        _core.quantized_linear(out, x, data, "Q4_1", 32)
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        _core.quantized_linear(out, x, data, "Q4_1", num_threads=0)
+    with pytest.raises(ValueError, match="unknown isa 'sse9'"):
+        _core.quantized_linear(out, x, data, "Q4_1", isa="sse9")
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="out: must be writable"):
+        _core.quantized_linear(readonly, x, data, "Q4_1")
+
+
+def test_bad_dequantize_arguments():
+    _, _, data = _linear_args()
+    with pytest.raises(ValueError, match=r"data\.shape\[1\] is 40, expected 20 \(bytes per row of Q4_1 with K = 32\)"):
+        _core.dequantize(np.empty((4, 32), np.float32), data, "Q4_1")
+    with pytest.raises(ValueError, match=r"data\.shape\[0\] is 4, expected 3 \(out's rows\)"):
+        _core.dequantize(np.empty((3, 64), np.float32), data, "Q4_1")
+    with pytest.raises(ValueError, match="out: expected dtype float32, got float16"):
+        _core.dequantize(np.empty((4, 64), np.float16), data, "Q4_1")
+    with pytest.raises(ValueError, match="data: expected 2 dimensions, got 1"):
+        _core.dequantize(np.empty((4, 64), np.float32), data.reshape(-1), "Q4_1")
+    with pytest.raises(ValueError, match="K \\(input features\\) must be >= 1, got 0"):
+        _core.quant_row_bytes("I8", 0)
+    with pytest.raises(ValueError, match="encoding: unknown 'q4_1'"):
+        _core.quant_row_bytes("q4_1", 32)
