@@ -13,6 +13,7 @@
 
 namespace py = pybind11;
 
+void bind_decoder(py::module_& m);  // decoder_bindings.cpp
 
 namespace {
 
@@ -218,6 +219,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("quantized_linear", &quantized_linear, py::arg("out"), py::arg("x"), py::arg("data"), py::arg("encoding"),
         py::arg("group") = 0, py::arg("bias") = py::none(), py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once.");
+  bind_decoder(m);
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
         "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");
   bind_policy<pyagent::LRUPolicy>(m, "LRUPolicy",

@@ -503,9 +503,12 @@ def llama(tmp_path_factory):
     return path, prompts, [hf_greedy(model, p, MAX_NEW) for p in prompts]
 
 
-def _greedy(llm, prompts):
+def _greedy(llm, prompts, fused: bool = False):
+    """Greedy results; by default with the model's own layers, so decodes reach the
+    backend's decode kernel (the fused whole-stack step has its own tests)."""
     from pyagent_framework import SamplingParams
 
+    llm.engine.model.use_fused_decode = fused
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
     results = []
     for out in outputs:
@@ -547,6 +550,7 @@ def test_auto_backend_is_native(llama, kernel_calls):
     results = _greedy(LLM(path, kv_cache_memory="64MiB"), prompts)  # attention_backend defaults to "auto"
     assert kernel_calls
     _check(results, expected)
+    _check(_greedy(LLM(path, kv_cache_memory="64MiB"), prompts, fused=True), expected)
 
 
 # --------------------------------------------------------------------------- 6. plugin

@@ -32,6 +32,15 @@ class NativeAttention(TorchAttention):
     #: Instruction set the kernel uses: "auto" (the best this CPU has), "avx2", "generic".
     isa = "auto"
 
+    @classmethod
+    def fuse_decoder(cls, layers: list[dict], shape: dict):
+        """A callable running a pure-decode step of the whole decoder stack in the
+        native core, or None when some layer cannot run there (see
+        :mod:`pyagent_native.fused`)."""
+        from pyagent_native.fused import FusedDecoder
+
+        return FusedDecoder.build(layers, shape)
+
     def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch) -> torch.Tensor:
         if kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or query.dtype != torch.float32:
             return super().decode_attention(query, kv_cache, decode)

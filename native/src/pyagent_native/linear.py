@@ -53,6 +53,10 @@ class NativeLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def native_operand(self) -> dict:
+        """How the core's fused decoder reads this layer (see :mod:`pyagent_native.fused`)."""
+        return {"weight": self._weight_array, "bias": self._bias_array}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
         if 0 < rows <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:

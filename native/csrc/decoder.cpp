@@ -1,0 +1,140 @@
+// The decode step of decoder.h. The heavy parts (the four matmuls and attention) go
+// through the dispatched kernels, which pick the ISA and split work over the thread
+// pool; the rest (norms, rope, cache writes, SwiGLU, residuals) is O(hidden) per
+// token and runs on the calling thread.
+#include "decoder.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "dispatch.h"
+
+namespace pyagent {
+namespace {
+
+const std::string kAuto = "auto";
+
+void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, int threads) {
+  if (w.is_packed) {
+    QuantLinearArgs a{};
+    a.out = out;
+    a.x = x;
+    a.bias = w.bias;
+    a.M = M;
+    a.w = w.packed;
+    quantized_linear(a, threads, kAuto);
+  } else {
+    LinearArgs a{};
+    a.out = out;
+    a.x = x;
+    a.weight = w.weight;
+    a.bias = w.bias;
+    a.M = M;
+    a.N = w.N;
+    a.K = w.K;
+    linear(a, threads, kAuto);
+  }
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, over n values.
+void rms_norm(float* out, const float* x, const float* weight, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+// Rotate-half rope on one head of d values: (a, b) -> (a cos - b sin, b cos + a sin).
+void rope(float* head, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = head[i], b = head[i + half];
+    head[i] = a * cos[i] - b * sin[i];
+    head[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+void grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+}  // namespace
+
+void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>& layers,
+                   const std::vector<LayerCache>& caches, const DecoderBatch& b, DecoderWorkspace& ws,
+                   int num_threads) {
+  const int64_t T = b.T, H = s.hidden, D = s.head_dim;
+  const int64_t q_size = s.num_heads * D, kv_size = s.num_kv_heads * D;
+  const int64_t qkv_size = q_size + 2 * kv_size, inter = s.intermediate;
+  grow(ws.h, T * H);
+  grow(ws.qkv, T * qkv_size);
+  grow(ws.q, T * q_size);
+  grow(ws.attn, T * q_size);
+  grow(ws.tmp, T * H);
+  grow(ws.gate_up, T * 2 * inter);
+  grow(ws.act, T * inter);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const DecoderLayerWeights& w = layers[l];
+    const LayerCache& c = caches[l];
+    // attention block
+    for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.input_norm, H, s.eps);
+    apply_linear(w.qkv, ws.qkv.data(), ws.h.data(), T, num_threads);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = &ws.qkv[t * qkv_size];
+      const float* cos = b.cos + t * (D / 2);
+      const float* sin = b.sin + t * (D / 2);
+      float* q = &ws.q[t * q_size];
+      for (int64_t h = 0; h < s.num_heads; ++h) {
+        if (w.q_norm) rms_norm(q + h * D, row + h * D, w.q_norm, D, s.eps);
+        else std::copy(row + h * D, row + (h + 1) * D, q + h * D);
+        rope(q + h * D, cos, sin, D);
+      }
+      float* k = row + q_size;
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        if (w.k_norm) rms_norm(k + h * D, k + h * D, w.k_norm, D, s.eps);
+        rope(k + h * D, cos, sin, D);
+      }
+      const int64_t slot = b.slots[t];
+      if (slot < 0) continue;
+      if (slot >= c.num_blocks * c.block_size) {
+        throw std::out_of_range("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot) +
+                                " is outside the cache's " + std::to_string(c.num_blocks * c.block_size) + " slots");
+      }
+      std::copy(k, k + kv_size, c.keys + slot * kv_size);
+      std::copy(k + kv_size, k + 2 * kv_size, c.values + slot * kv_size);
+    }
+    DecodeArgs a{};
+    a.out = ws.attn.data();
+    a.query = ws.q.data();
+    a.key_cache = c.keys;
+    a.value_cache = c.values;
+    a.block_tables = b.block_tables;
+    a.seq_lens = b.seq_lens;
+    a.num_seqs = T;
+    a.num_heads = s.num_heads;
+    a.num_kv_heads = s.num_kv_heads;
+    a.head_size = D;
+    a.block_size = c.block_size;
+    a.num_blocks = c.num_blocks;
+    a.table_stride = b.table_stride;
+    a.sliding_window = w.sliding_window;
+    a.scale = s.scale;
+    paged_decode_attention(a, num_threads, kAuto);
+    apply_linear(w.o, ws.tmp.data(), ws.attn.data(), T, num_threads);
+    for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
+    // MLP block
+    for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.post_norm, H, s.eps);
+    apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* gate = &ws.gate_up[t * 2 * inter];
+      const float* up = gate + inter;
+      float* act = &ws.act[t * inter];
+      for (int64_t i = 0; i < inter; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+    apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads);
+    for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
+  }
+}
+
+}  // namespace pyagent

@@ -1,0 +1,75 @@
+// One decode step of a Llama-family decoder stack, every layer in C++: the Python
+// model's per-op dispatch (about a dozen torch calls and module calls per layer) costs
+// more than the layer's arithmetic once weights are quantized, so a decode step of
+// one-token sequences runs here, from the same weights and the same paged KV cache.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace pyagent {
+
+// A linear layer's weight: float32 [N, K], or packed (see QuantWeight); bias optional.
+struct LinearWeight {
+  const float* weight = nullptr;  // set when not packed
+  QuantWeight packed{};
+  bool is_packed = false;
+  const float* bias = nullptr;
+  int64_t N = 0;
+  int64_t K = 0;
+};
+
+// The layer: x += o(attn(rope(qkv(norm1(x))))); x += down(silu(gate) * up)(norm2(x)),
+// gate/up one fused [2I, H] weight, q/k/v one fused [(Hq + 2 Hkv) D, H] weight.
+struct DecoderLayerWeights {
+  const float* input_norm;
+  const float* post_norm;
+  const float* q_norm = nullptr;  // Qwen3: RMSNorm over each head, before rope
+  const float* k_norm = nullptr;
+  LinearWeight qkv, o, gate_up, down;
+  int64_t sliding_window = 0;  // 0: none
+};
+
+struct DecoderShape {
+  int64_t hidden;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t intermediate;
+  float eps;
+  float scale;
+};
+
+// One step's batch: T sequences, one new token each.
+struct DecoderBatch {
+  float* x;            // [T, hidden], the residual stream, updated in place
+  const float* cos;    // [T, head_dim / 2]
+  const float* sin;    // [T, head_dim / 2]
+  const int64_t* slots;  // [T] cache slot of each new token (-1: not written)
+  const int32_t* block_tables;  // [T, table_stride]
+  const int32_t* seq_lens;      // [T], the new token included
+  int64_t T;
+  int64_t table_stride;
+};
+
+struct LayerCache {
+  float* keys;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  float* values;  // same
+  int64_t num_blocks;
+  int64_t block_size;
+};
+
+// Scratch reused across calls (grown on demand).
+struct DecoderWorkspace {
+  std::vector<float> h, qkv, q, attn, tmp, gate_up, act;
+};
+
+// Runs every layer in order; throws std::out_of_range for a slot or block id outside
+// the cache.
+void decode_layers(const DecoderShape& shape, const std::vector<DecoderLayerWeights>& layers,
+                   const std::vector<LayerCache>& caches, const DecoderBatch& batch, DecoderWorkspace& ws,
+                   int num_threads);
+
+}  // namespace pyagent

@@ -1,0 +1,178 @@
+// Python binding of the fused decode step (decoder.h): `_core.DecoderStack`, built
+// once per model from its layers' arrays (kept alive by the object), then called once
+// per decode step. Every array is checked here, so a wrong one is a ValueError naming
+// it, never a read out of bounds.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "decoder.h"
+#include "quant_names.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* array_data(const py::handle& obj, const std::string& name, std::vector<py::ssize_t> shape, bool writable = false) {
+  if (!py::isinstance<py::array>(obj)) throw py::value_error(name + ": expected a numpy array");
+  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  if (!arr.dtype().is(py::dtype::of<T>())) {
+    throw py::value_error(name + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) + ", got " +
+                          std::string(py::str(arr.dtype())));
+  }
+  if (!(arr.flags() & py::array::c_style)) throw py::value_error(name + ": must be C-contiguous");
+  if (writable && !arr.writeable()) throw py::value_error(name + ": must be writable");
+  if (arr.ndim() != static_cast<py::ssize_t>(shape.size())) {
+    throw py::value_error(name + ": expected " + std::to_string(shape.size()) + " dimensions, got " +
+                          std::to_string(arr.ndim()));
+  }
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] >= 0 && arr.shape(i) != shape[i]) {
+      throw py::value_error(name + ".shape[" + std::to_string(i) + "] is " + std::to_string(arr.shape(i)) +
+                            ", expected " + std::to_string(shape[i]));
+    }
+  }
+  return static_cast<T*>(arr.mutable_data());
+}
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+               float eps, float scale, const py::list& layers) {
+    if (hidden < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2 || head_dim % 2 || intermediate < 1 ||
+        num_heads % num_kv_heads) {
+      throw py::value_error("DecoderStack: inconsistent shape (hidden " + std::to_string(hidden) + ", heads " +
+                            std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + ", head_dim " +
+                            std::to_string(head_dim) + ", intermediate " + std::to_string(intermediate) + ")");
+    }
+    shape_ = {hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale};
+    const int64_t qkv = (num_heads + 2 * num_kv_heads) * head_dim;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const py::dict layer = layers[i].cast<py::dict>();
+      const std::string at = "layers[" + std::to_string(i) + "]";
+      pyagent::DecoderLayerWeights w{};
+      w.input_norm = vector(layer, "input_norm", at, hidden, false);
+      w.post_norm = vector(layer, "post_norm", at, hidden, false);
+      w.q_norm = vector(layer, "q_norm", at, head_dim, true);
+      w.k_norm = vector(layer, "k_norm", at, head_dim, true);
+      w.qkv = linear_weight(layer, "qkv", at, qkv, hidden);
+      w.o = linear_weight(layer, "o", at, hidden, num_heads * head_dim);
+      w.gate_up = linear_weight(layer, "gate_up", at, 2 * intermediate, hidden);
+      w.down = linear_weight(layer, "down", at, hidden, intermediate);
+      w.sliding_window = layer["sliding_window"].cast<int64_t>();
+      if (w.sliding_window < 0) throw py::value_error(at + ".sliding_window must be >= 0");
+      layers_.push_back(w);
+    }
+  }
+
+  void decode(py::array x, py::array cos, py::array sin, const py::list& kv_caches, py::array slots,
+              py::array block_tables, py::array seq_lens, int num_threads) {
+    pyagent::DecoderBatch b{};
+    b.x = array_data<float>(x, "x", {-1, shape_.hidden}, true);
+    b.T = x.shape(0);
+    const int64_t half = shape_.head_dim / 2;
+    b.cos = array_data<float>(cos, "cos", {b.T, half});
+    b.sin = array_data<float>(sin, "sin", {b.T, half});
+    b.slots = array_data<int64_t>(slots, "slots", {b.T});
+    b.block_tables = array_data<int32_t>(block_tables, "block_tables", {b.T, -1});
+    b.table_stride = block_tables.shape(1);
+    b.seq_lens = array_data<int32_t>(seq_lens, "seq_lens", {b.T});
+    for (int64_t t = 0; t < b.T; ++t) {
+      if (b.seq_lens[t] < 1) {
+        throw py::value_error("seq_lens[" + std::to_string(t) + "] = " + std::to_string(b.seq_lens[t]) +
+                              ": a decoding sequence holds at least its new token");
+      }
+    }
+    if (kv_caches.size() != layers_.size()) {
+      throw py::value_error("kv_caches: " + std::to_string(kv_caches.size()) + " caches for " +
+                            std::to_string(layers_.size()) + " layers");
+    }
+    std::vector<pyagent::LayerCache> caches;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const std::string name = "kv_caches[" + std::to_string(l) + "]";
+      py::array cache = kv_caches[l].cast<py::array>();
+      float* data = array_data<float>(cache, name, {2, -1, -1, shape_.num_kv_heads, shape_.head_dim}, true);
+      const int64_t num_blocks = cache.shape(1), block_size = cache.shape(2);
+      for (int64_t t = 0; t < b.T; ++t) {
+        if (b.seq_lens[t] > b.table_stride * block_size) {
+          throw py::value_error("seq_lens[" + std::to_string(t) + "] = " + std::to_string(b.seq_lens[t]) +
+                                " does not fit its block table (" + std::to_string(b.table_stride) + " blocks of " +
+                                std::to_string(block_size) + ")");
+        }
+      }
+      const int64_t half_cache = num_blocks * block_size * shape_.num_kv_heads * shape_.head_dim;
+      caches.push_back({data, data + half_cache, num_blocks, block_size});
+    }
+    if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+    py::gil_scoped_release release;
+    pyagent::decode_layers(shape_, layers_, caches, b, ws_, num_threads);
+  }
+
+  size_t num_layers() const { return layers_.size(); }
+
+ private:
+  const float* vector(const py::dict& layer, const char* key, const std::string& at, int64_t n, bool optional) {
+    const py::object obj = layer.contains(key) ? py::object(layer[key]) : py::object(py::none());
+    if (obj.is_none()) {
+      if (optional) return nullptr;
+      throw py::value_error(at + "." + key + " is required");
+    }
+    keep_.push_back(obj);
+    return array_data<float>(obj, at + "." + key, {n});
+  }
+
+  pyagent::LinearWeight linear_weight(const py::dict& layer, const char* key, const std::string& at, int64_t N,
+                                      int64_t K) {
+    const std::string name = at + "." + key;
+    const py::dict op = layer[key].cast<py::dict>();
+    pyagent::LinearWeight w{};
+    w.N = N;
+    w.K = K;
+    if (op.contains("bias") && !op["bias"].is_none()) {
+      keep_.push_back(op["bias"]);
+      w.bias = array_data<float>(op["bias"], name + ".bias", {N});
+    }
+    if (op.contains("weight")) {
+      keep_.push_back(op["weight"]);
+      w.weight = array_data<float>(op["weight"], name + ".weight", {N, K});
+      return w;
+    }
+    const std::string encoding = op["encoding"].cast<std::string>();
+    w.is_packed = true;
+    w.packed.group = op["group"].cast<int64_t>();
+    w.packed.N = N;
+    w.packed.K = K;
+    try {
+      w.packed.encoding = pyagent::parse_quant_encoding(encoding);
+      w.packed.row_bytes = pyagent::checked_row_bytes(encoding, K, w.packed.group);
+    } catch (const std::invalid_argument& exc) {
+      throw py::value_error(name + ": " + exc.what());
+    }
+    keep_.push_back(op["data"]);
+    w.packed.data = array_data<uint8_t>(op["data"], name + ".data", {N, w.packed.row_bytes});
+    return w;
+  }
+
+  pyagent::DecoderShape shape_{};
+  std::vector<pyagent::DecoderLayerWeights> layers_;
+  std::vector<py::object> keep_;  // the arrays the weights point into
+  pyagent::DecoderWorkspace ws_;
+};
+
+}  // namespace
+
+void bind_decoder(py::module_& m) {
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "A Llama-family decoder stack's decode step in one call (see csrc/decoder.h).")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, float, float, const py::list&>(),
+           py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("layers"))
+      .def("decode", &DecoderStack::decode, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
+           py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_threads") = 1,
+           "Advance x [T, hidden] in place through every layer: T sequences, one new token each.")
+      .def("__len__", &DecoderStack::num_layers);
+}

@@ -1,0 +1,110 @@
+"""A decode step of a whole Llama-family decoder stack in one native call.
+
+Once weights are quantized, a one-token decode step's arithmetic is a few
+milliseconds, and the model's Python forward (a dozen torch ops and module calls per
+layer, ~0.2 ms of dispatch per layer) costs more than that. :class:`FusedDecoder`
+runs every layer of a pure-decode batch in the native core (``csrc/decoder.cpp``):
+the same weights (float32 or packed), the same paged KV cache, the same kernels. The
+model's own forward stays the reference twin and serves every other batch (prefill,
+chunked prefill, mixed batches).
+
+The model describes its layers with plain data (:func:`NativeAttention.fuse_decoder
+<pyagent_native.attention.NativeAttention.fuse_decoder>`); a linear layer takes part
+when its module says how the core reads its weight (``native_operand()``: NativeLinear
+and pyagent-quant's PackedLinear do) or is a float32 CPU ``nn.Linear``. Anything else
+(another dtype, a module the core cannot read) leaves the model on its Python path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pyagent_framework.builtins.torch_attention import _plan
+
+from pyagent_native import _core
+
+logger = logging.getLogger(__name__)
+
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def linear_operand(module: Any) -> dict | None:
+    """How the core reads ``module``'s weight, or None if it cannot."""
+    describe = getattr(module, "native_operand", None)
+    if describe is not None:
+        return describe()
+    weight = getattr(module, "weight", None)
+    if isinstance(module, torch.nn.Linear) and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        bias = module.bias
+        return {
+            "weight": weight.detach().contiguous().numpy(),
+            "bias": None if bias is None else bias.detach().float().contiguous().numpy(),
+        }
+    return None
+
+
+def _array(tensor: torch.Tensor | None):
+    if tensor is None:
+        return None
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+        raise TypeError("not a float32 CPU tensor")
+    return tensor.detach().contiguous().numpy()
+
+
+class FusedDecoder:
+    """Runs a pure-decode batch through every layer in one native call; built by
+    :meth:`build` from the model's description, or not at all (None)."""
+
+    def __init__(self, stack: Any) -> None:
+        self._stack = stack
+
+    @classmethod
+    def build(cls, layers: list[dict], shape: dict) -> FusedDecoder | None:
+        described = []
+        for i, layer in enumerate(layers):
+            entry: dict[str, Any] = {"sliding_window": int(layer.get("sliding_window") or 0)}
+            for name in _LINEARS:
+                operand = linear_operand(layer[name])
+                if operand is None:
+                    logger.info("layer %d: %s (%s) is not readable by the native core; no fused decode",
+                                i, name, type(layer[name]).__name__)
+                    return None
+                entry[name] = operand
+            try:
+                for name in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                    entry[name] = _array(layer.get(name))
+            except TypeError:
+                return None
+            described.append(entry)
+        stack = _core.DecoderStack(
+            int(shape["hidden_size"]), int(shape["num_heads"]), int(shape["num_kv_heads"]), int(shape["head_dim"]),
+            int(shape["intermediate_size"]), float(shape["eps"]), float(shape["scale"]), described,
+        )
+        return cls(stack)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list, metadata) -> bool:
+        """Advance ``x [T, hidden]`` (float32, in place) through every layer when the
+        batch is pure decode on the CPU; returns False (nothing done) otherwise."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
+            return False
+        plan = _plan(metadata, x.device)
+        if not plan.pure_decode or x.shape[0] == 0:
+            return False
+        decode = plan.decode
+        slots = metadata.slot_mapping
+        if slots.dtype != torch.int64:
+            slots = slots.to(torch.int64)
+        self._stack.decode(
+            x.numpy(),
+            cos.contiguous().numpy(),
+            sin.contiguous().numpy(),
+            [cache.numpy() for cache in kv_caches],
+            slots.contiguous().numpy(),
+            decode.block_tables.numpy(),
+            decode.seq_lens.numpy(),
+            torch.get_num_threads(),
+        )
+        return True
