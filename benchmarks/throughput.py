@@ -5,7 +5,9 @@ llama-cpp-python) on the same model and the same work, in one run.
     .venv/bin/python benchmarks/throughput.py --mode single    # one stream, 128 tokens
     .venv/bin/python benchmarks/throughput.py --peer llama-cpp # adds llama-cpp-python on the GGUF
 
-Greedy, ignore EOS, fp32 for both engines. Prints output tokens per second for each
+Greedy, ignore EOS, fp32 for both engines (ours with the float32 linears, `native`
+or `none`, even on the GGUF, whose default is its quantized tensors:
+`benchmarks/decode.py` measures that path). Prints output tokens per second for each
 and the ratio ours / peer. Model loading is not timed.
 """
 
@@ -37,9 +39,11 @@ def chat_prompts(n: int) -> list[list[dict]]:
 
 
 def run_ours(model: str | None, prompt_ids: list[list[int]], max_tokens: int, args) -> dict:
-    from pyagent_framework import LLM, SamplingParams
+    from pyagent_framework import LLM, SamplingParams, registries
 
-    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    fp32 = next(name for name in ("native", "none") if name in registries.quantizers)
+    llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              quantization=fp32)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompt_ids[:1], params.replace(max_tokens=4))  # warm-up
     start = time.perf_counter()
