@@ -23,6 +23,7 @@ void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, 
     a.bias = w.bias;
     a.M = M;
     a.w = w.packed;
+    a.int8_activations = w.int8_activations;
     quantized_linear(a, threads, kAuto);
   } else {
     LinearArgs a{};

@@ -17,6 +17,7 @@ struct LinearWeight {
   QuantWeight packed{};
   bool is_packed = false;
   const float* bias = nullptr;
+  bool int8_activations = false;  // see QuantLinearArgs
   int64_t N = 0;
   int64_t K = 0;
 };

@@ -143,6 +143,7 @@ class DecoderStack {
     }
     const std::string encoding = op["encoding"].cast<std::string>();
     w.is_packed = true;
+    w.int8_activations = op.contains("int8_activations") && op["int8_activations"].cast<bool>();
     w.packed.group = op["group"].cast<int64_t>();
     w.packed.N = N;
     w.packed.K = K;

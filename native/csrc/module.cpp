@@ -139,8 +139,9 @@ void dequantize(py::array out, py::array data, const std::string& encoding, int6
 }
 
 void quantized_linear(py::array out, py::array x, py::array data, const std::string& encoding, int64_t group,
-                      py::object bias, int num_threads, const std::string& isa) {
+                      py::object bias, int num_threads, const std::string& isa, bool int8_activations) {
   pyagent::QuantLinearArgs a{};
+  a.int8_activations = int8_activations;
   a.out = const_cast<float*>(checked<float>(out, "out", 2, true));
   a.x = checked<float>(x, "x", 2);
   a.M = x.shape(0);
@@ -218,7 +219,10 @@ PYBIND11_MODULE(_core, m) {
         "bit for bit the gguf package's values).");
   m.def("quantized_linear", &quantized_linear, py::arg("out"), py::arg("x"), py::arg("data"), py::arg("encoding"),
         py::arg("group") = 0, py::arg("bias") = py::none(), py::arg("num_threads") = 1, py::arg("isa") = "auto",
-        "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once.");
+        py::arg("int8_activations") = false,
+        "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once. "
+        "int8_activations: Q4_0/Q4_1 with one row of x in the AVX2 build round x to int8 per block of 32 "
+        "(faster, approximate; see kernels.h).");
   bind_decoder(m);
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
         "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");

@@ -28,6 +28,7 @@
 // into an L1 scratch once and the rows of x are applied to it two at a time (dot4x2).
 // Everything is float32: x is never quantized.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -490,6 +491,56 @@ void fused_i8(const uint8_t* rows, int64_t row_bytes, int64_t K, const float* x,
   }
 }
 
+// Q4_0 / Q4_1 against x rounded to int8 per block (QuantLinearArgs::int8_activations):
+// the 32 codes (u8) times the 32 int8 x values in two instructions (pairs summed to
+// int16, then to int32), the block's d * dx folded in with one FMA. The offset term
+// (m, or Q4_0's -8 d) still takes the exact float sums of x.
+template <int R, bool kMin>
+void fused_q4_q8(const uint8_t* rows, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
+                 const float* sums, float* dst) {
+  constexpr int64_t kBytes = (kMin ? 4 : 2) + 16;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  __m128 off[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    off[r] = _mm_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
+    const __m128 sb = _mm_loadu_ps(sums + 4 * b);
+    const __m256 dx = _mm256_set1_ps(xd[b]);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = rows + r * row_bytes + b * kBytes;
+      int32_t scales = 0;
+      std::memcpy(&scales, blk, kMin ? 4 : 2);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
+      const __m256 d = _mm256_broadcastss_ps(dm);
+      off[r] = _mm_fmadd_ps(kMin ? dm : _mm256_castps256_ps128(d), sb, off[r]);
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kMin ? 4 : 2)));
+      // low nibbles are elements 0..15, high nibbles 16..31: the lanes of x's block
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+      const __m256i pairs = _mm256_maddubs_epi16(codes, xv);  // |c0 x0 + c1 x1| <= 3810: no saturation
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, dx), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) dst[r] = hsum(acc[r]) + (kMin ? 1.0f : -8.0f) * lane1(off[r]);
+}
+
+// x rounded to int8 per block of 32: xd[b] = max|x_b| / 127, xq = round(x / xd[b]).
+void quantize_x_q8(const float* x, int64_t nb, int8_t* xq, float* xd) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    xd[b] = d;
+    for (int i = 0; i < 32; ++i) xq[32 * b + i] = static_cast<int8_t>(std::nearbyint(x[32 * b + i] * inv));
+  }
+}
+
 // R rows starting at `rows` against one row of x (with its block sums); dst[R].
 template <int R>
 void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const float* sums, float* dst) {
@@ -536,6 +587,28 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
   if (offsets) {
     sums.resize(4 * full * a.M);
     for (int64_t m = 0; m < a.M; ++m) block_sums(a.x + m * w.K, full, B, sums.data() + 4 * full * m);
+  }
+  const bool q8 = a.int8_activations && a.M == 1 &&
+                  (w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1);
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> xd;
+  if (q8) {
+    xq.resize(w.K);
+    xd.resize(full);
+    quantize_x_q8(a.x, full, xq.data(), xd.data());
+    const bool q4_1 = w.encoding == QuantEncoding::Q4_1;
+    for (int64_t n = n_begin; n < n_end;) {
+      const uint8_t* rows = w.data + n * w.row_bytes;
+      const int64_t step = n_end - n >= 4 ? 4 : 1;
+      prefetch_rows(w, n + 4, n + 8, n_end);
+      float* out = a.out + n;
+      if (step == 4 && q4_1) fused_q4_q8<4, true>(rows, w.row_bytes, full, xq.data(), xd.data(), sums.data(), out);
+      else if (step == 4) fused_q4_q8<4, false>(rows, w.row_bytes, full, xq.data(), xd.data(), sums.data(), out);
+      else if (q4_1) fused_q4_q8<1, true>(rows, w.row_bytes, full, xq.data(), xd.data(), sums.data(), out);
+      else fused_q4_q8<1, false>(rows, w.row_bytes, full, xq.data(), xd.data(), sums.data(), out);
+      n += step;
+    }
+    return;
   }
   for (int64_t n = n_begin; n < n_end;) {
     const uint8_t* rows = w.data + n * w.row_bytes;

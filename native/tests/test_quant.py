@@ -336,3 +336,62 @@ def test_bad_dequantize_arguments():
         _core.quant_row_bytes("I8", 0)
     with pytest.raises(ValueError, match="encoding: unknown 'q4_1'"):
         _core.quant_row_bytes("q4_1", 32)
+
+
+# --------------------------------------------------------------------------- int8 activations
+
+
+def _int8_activation_bound(x, w):
+    """|sum w (x - x8)| where x8 rounds x to int8 per block of 32 (scale max|x_b| / 127):
+    each element moves at most half a step, max|x_b| / 254, plus float32 slack."""
+    k = x.shape[1]
+    step = np.abs(x.reshape(x.shape[0], k // 32, 32)).max(axis=2) / 127  # [M, blocks]
+    per_block = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(axis=2)  # [N, blocks]
+    exact = np.abs(x.astype(np.float64)) @ np.abs(w.T)
+    return (step / 2) @ per_block.T * (1 + 1e-3) + 1e-5 * exact + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    encoding=st.sampled_from(["Q4_0", "Q4_1"]),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 20),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int8_activations_stay_within_the_rounding_of_x(encoding, n, blocks, bias, threads, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    data = random_weight(encoding, n, k, 0, rng)
+    w = reference_dequantize(data, encoding, k).astype(np.float64)
+    x = (rng.standard_normal((1, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+    x[0, rng.integers(0, k)] = 0.0
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    out = np.empty((1, n), np.float32)
+    _core.quantized_linear(out, x, data, encoding, 0, b, threads, "auto", True)
+    want = x.astype(np.float64) @ w.T + (0 if b is None else b)
+    assert (np.abs(out - want) <= _int8_activation_bound(x, w)).all()
+
+
+@pytest.mark.parametrize("encoding, group, m", [("Q8_0", 0, 1), ("I4", 32, 1), ("Q4_1", 0, 3)])
+def test_int8_activations_leave_other_cases_in_float32(encoding, group, m):
+    """Only one-row Q4_0/Q4_1 products change: other encodings and several rows of x
+    give the float32 path's bits."""
+    rng = np.random.default_rng(1)
+    data = random_weight(encoding, 40, 96, group, rng)
+    x = rng.standard_normal((m, 96)).astype(np.float32)
+    plain, flagged = np.empty((m, 40), np.float32), np.empty((m, 40), np.float32)
+    _core.quantized_linear(plain, x, data, encoding, group, None, 2)
+    _core.quantized_linear(flagged, x, data, encoding, group, None, 2, "auto", True)
+    assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
+
+
+def test_int8_activations_are_ignored_by_the_portable_build():
+    rng = np.random.default_rng(2)
+    data = random_weight("Q4_1", 12, 64, 0, rng)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    plain, flagged = np.empty((1, 12), np.float32), np.empty((1, 12), np.float32)
+    _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1, "generic")
+    _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "generic", True)
+    assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))

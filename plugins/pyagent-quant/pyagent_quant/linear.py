@@ -34,7 +34,14 @@ class PackedLinear(torch.nn.Module):
 
     max_rows = 64
 
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, *, native: bool | None = None) -> None:
+    def __init__(
+        self,
+        packed: PackedWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        native: bool | None = None,
+        int8_activations: bool = False,
+    ) -> None:
         super().__init__()
         self.packed = packed
         self.out_features, self.in_features = packed.shape
@@ -51,6 +58,9 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("data", packed.data, persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.encoding, self.group = encodings.kernel_encoding(packed.encoding)
+        # Decode-sized Q4_0/Q4_1 products with x rounded to int8 per block of 32 (native
+        # AVX2 kernels only; see pyagent_native's kernels.h): faster, approximate.
+        self.int8_activations = bool(int8_activations)
         self.native = native_available() if native is None else native
         if self.native and not native_available():
             raise ValueError("the native core (pyagent-native, with quantized kernels) is not installed")
@@ -62,13 +72,20 @@ class PackedLinear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, encoding={self.packed.encoding}, "
             f"bias={self.bias is not None}, native={self.native}"
+            + (", int8_activations=True" if self.int8_activations else "")
         )
 
     def native_operand(self) -> dict | None:
         """How the native core's fused decoder reads this layer, or None without the core."""
         if not self.native:
             return None
-        return {"data": self._data_array, "encoding": self.encoding, "group": self.group, "bias": self._bias_array}
+        return {
+            "data": self._data_array,
+            "encoding": self.encoding,
+            "group": self.group,
+            "bias": self._bias_array,
+            "int8_activations": self.int8_activations,
+        }
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Float32 weight rows ``start:stop``."""
@@ -89,7 +106,7 @@ class PackedLinear(torch.nn.Module):
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             _core.quantized_linear(
                 out.numpy(), flat.detach().numpy(), self._data_array, self.encoding, self.group,
-                self._bias_array, torch.get_num_threads(),
+                self._bias_array, torch.get_num_threads(), "auto", self.int8_activations,
             )
             return out.view(*x.shape[:-1], self.out_features)
         out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)

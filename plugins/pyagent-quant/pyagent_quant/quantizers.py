@@ -87,15 +87,21 @@ class GGUFQuantizer(Quantizer):
 
     Linear weights in other types (and float ones) arrive dequantized (the GGUF format
     logs which) and are computed in float32: with the native core's small-batch
-    kernel when it is installed, else by torch."""
+    kernel when it is installed, else by torch.
+
+    Option ``activations``: ``"float32"`` (default; results within float rounding of
+    the dequantized model) or ``"int8"``: one-row ``Q4_0``/``Q4_1`` products round x
+    to int8 per block of 32 and multiply in integers, as llama.cpp does (about 1.4x
+    faster matmuls in the native AVX2 build, ~1% error per product)."""
 
     supported_devices = ("cpu",)
     packed_encodings = encodings.GGUF_ENCODINGS
     needs_packed = True
 
-    def __init__(self, **options) -> None:
-        if options:
-            raise TypeError(f"quantizer 'gguf' takes no options, got {sorted(options)}")
+    def __init__(self, activations: str = "float32") -> None:
+        if activations not in ("float32", "int8"):
+            raise ValueError(f"activations must be 'float32' or 'int8', got {activations!r}")
+        self.int8_activations = activations == "int8"
 
     def make_linear(self, weight, bias=None):
         if isinstance(weight, PackedWeight):
@@ -104,7 +110,7 @@ class GGUFQuantizer(Quantizer):
                     f"quantization 'gguf': tensor {weight.name!r} has type {weight.encoding}, which it does not read "
                     f"(it reads {', '.join(sorted(self.packed_encodings))})"
                 )
-            return PackedLinear(weight, bias)
+            return PackedLinear(weight, bias, int8_activations=self.int8_activations)
         weight = _float_weight(weight, "gguf").float().contiguous()
         if native_available():
             from pyagent_native.linear import NativeLinear

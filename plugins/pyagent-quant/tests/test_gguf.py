@@ -211,3 +211,23 @@ def test_prompt_logprobs_match_the_dequantized_model(models):
             worst = max(worst, abs(value.logprob - entry_b[token].logprob))
     print(f"gguf vs dequantized, {len(a.prompt_token_ids)} prompt tokens: largest logprob difference {worst:.2e}")
     assert worst <= TOLERANCE
+
+
+def test_int8_activations_option(models, tiny_tokenizer_dir):
+    """``{"activations": "int8"}``: the Q4_0/Q4_1 layers round x to int8 per block of 32
+    for decode-sized products; the first step's distribution stays close to the float
+    path's (a small shift, not the same bits), and prefill is unchanged."""
+    _, path, packed, _, _ = models
+    fast = LLM(path, tokenizer=tiny_tokenizer_dir, quantization_config={"activations": "int8"}, **ENGINE)
+    linears = [m for m in fast.engine.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.int8_activations for m in linears)
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5, ignore_eos=True)
+    for a, b in zip(packed.generate(PROMPTS, params), fast.generate(PROMPTS, params), strict=True):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert first_a.keys() == first_b.keys()  # the first token comes from the prefill: float32 either way
+        for token, entry in first_a.items():
+            assert abs(entry.logprob - first_b[token].logprob) <= TOLERANCE
+        shared = a.outputs[0].logprobs[1].keys() & b.outputs[0].logprobs[1].keys()
+        assert shared
+        for token in shared:  # the second from a decode step: int8 activations
+            assert abs(a.outputs[0].logprobs[1][token].logprob - b.outputs[0].logprobs[1][token].logprob) < 0.25

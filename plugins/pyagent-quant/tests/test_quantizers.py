@@ -123,6 +123,7 @@ def test_plugin_module_imports_nothing_heavy():
         ("int8", {"group_size": 32}, "group_size"),
         ("int8", {"anything": 1}, "anything"),
         ("gguf", {"x": 1}, "x"),
+        ("gguf", {"activations": "int4"}, "activations"),
         ("fp8", {"scale": "tensor"}, "scale"),
     ],
 )
