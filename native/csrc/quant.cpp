@@ -530,15 +530,21 @@ void fused_q4_q8(const uint8_t* rows, int64_t row_bytes, int64_t nb, const int8_
 }
 
 // x rounded to int8 per block of 32: xd[b] = max|x_b| / 127, xq = round(x / xd[b]).
-void quantize_x_q8(const float* x, int64_t nb, int8_t* xq, float* xd) {
+// Returns false (x left to the float32 path) when x holds a NaN or an infinity.
+bool quantize_x_q8(const float* x, int64_t nb, int8_t* xq, float* xd) {
   for (int64_t b = 0; b < nb; ++b) {
     float amax = 0.0f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+    for (int i = 0; i < 32; ++i) {
+      const float v = std::fabs(x[32 * b + i]);
+      if (!(v <= 3.4e38f)) return false;  // NaN or inf: no int8 scale represents it
+      amax = std::max(amax, v);
+    }
     const float d = amax / 127.0f;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
     xd[b] = d;
     for (int i = 0; i < 32; ++i) xq[32 * b + i] = static_cast<int8_t>(std::nearbyint(x[32 * b + i] * inv));
   }
+  return true;
 }
 
 // R rows starting at `rows` against one row of x (with its block sums); dst[R].
@@ -588,14 +594,16 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
     sums.resize(4 * full * a.M);
     for (int64_t m = 0; m < a.M; ++m) block_sums(a.x + m * w.K, full, B, sums.data() + 4 * full * m);
   }
-  const bool q8 = a.int8_activations && a.M == 1 &&
-                  (w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1);
+  bool q8 = a.int8_activations && a.M == 1 &&
+            (w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1);
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xd;
   if (q8) {
     xq.resize(w.K);
     xd.resize(full);
-    quantize_x_q8(a.x, full, xq.data(), xd.data());
+    q8 = quantize_x_q8(a.x, full, xq.data(), xd.data());
+  }
+  if (q8) {
     const bool q4_1 = w.encoding == QuantEncoding::Q4_1;
     for (int64_t n = n_begin; n < n_end;) {
       const uint8_t* rows = w.data + n * w.row_bytes;

@@ -395,3 +395,16 @@ def test_int8_activations_are_ignored_by_the_portable_build():
     _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1, "generic")
     _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "generic", True)
     assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
+
+
+def test_int8_activations_leave_non_finite_x_to_float32():
+    """x with an infinity or a NaN has no int8 scale: the float32 path computes it."""
+    rng = np.random.default_rng(3)
+    data = random_weight("Q4_1", 8, 64, 0, rng)
+    for bad in (np.inf, np.nan):
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        x[0, 5] = bad
+        plain, flagged = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
+        _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1)
+        _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "auto", True)
+        assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
