@@ -206,7 +206,6 @@ def swap_linears(model, quantizer, packed: dict[str, Any] | None = None) -> int:
     an embedding shares with an output head once, and both are built from it."""
     from collections import Counter
 
-    import torch
     from torch import nn
 
     params = dict(model.named_parameters())
@@ -221,23 +220,37 @@ def swap_linears(model, quantizer, packed: dict[str, Any] | None = None) -> int:
             if tied and id(module.weight) not in by_param:
                 by_param[id(module.weight)] = pack(module.weight.data)
     count = 0
+    names = {id(module): name for name, module in model.named_modules()}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            packed_weight = by_param.get(id(weight)) if weight is not None else None
-            if isinstance(child, nn.Linear):
-                bias = None if child.bias is None else child.bias.data
-                if packed_weight is not None:
-                    setattr(parent, child_name, quantizer.make_linear(packed_weight, bias))
-                elif owners[id(child.weight)] == 1 or keeps_weights:
-                    setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
-                else:
-                    continue
-                count += 1
-            elif isinstance(child, nn.Embedding) and packed_weight is not None:
-                if make_embedding is not None:
-                    setattr(parent, child_name, make_embedding(packed_weight))
-                else:
-                    with torch.no_grad():
-                        child.weight.copy_(packed_weight.dequantize())
+            try:
+                count += _swap(parent, child_name, child, quantizer, by_param, owners, keeps_weights, make_embedding)
+            except (TypeError, ValueError) as exc:
+                layer = ".".join(filter(None, (names.get(id(parent)), child_name)))
+                raise ConfigError(f"quantization: layer {layer!r}: {exc}", field="quantization") from exc
     return count
+
+
+def _swap(parent, child_name, child, quantizer, by_param, owners, keeps_weights, make_embedding) -> int:
+    """Replace one child module of ``parent`` per :func:`swap_linears`; 1 if a linear was."""
+    import torch
+    from torch import nn
+
+    weight = getattr(child, "weight", None)
+    packed_weight = by_param.get(id(weight)) if weight is not None else None
+    if isinstance(child, nn.Linear):
+        bias = None if child.bias is None else child.bias.data
+        if packed_weight is not None:
+            setattr(parent, child_name, quantizer.make_linear(packed_weight, bias))
+        elif owners[id(child.weight)] == 1 or keeps_weights:
+            setattr(parent, child_name, quantizer.make_linear(child.weight.data, bias))
+        else:
+            return 0
+        return 1
+    if isinstance(child, nn.Embedding) and packed_weight is not None:
+        if make_embedding is not None:
+            setattr(parent, child_name, make_embedding(packed_weight))
+        else:
+            with torch.no_grad():
+                child.weight.copy_(packed_weight.dequantize())
+    return 0

@@ -300,3 +300,25 @@ def test_int8_generation_matches_unquantized_greedy(llama, baseline):
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     agree = sum(a == b for a, b in zip(want, got))
     assert agree >= len(PROMPTS) - 1, (want, got)  # a near tie may flip one sequence late
+
+
+def test_a_layer_the_quantizer_cannot_take_is_named(llama):
+    """A quantizer that fails on one layer: a ConfigError naming the layer and the cause."""
+    from pyagent_framework import registries
+    from pyagent_framework.interfaces import Quantizer
+
+    class Picky(Quantizer):
+        supported_devices = ("cpu",)
+
+        def make_linear(self, weight, bias=None):
+            if weight.shape[0] == weight.shape[1]:
+                raise ValueError(f"square weights {tuple(weight.shape)} are not supported")
+            return torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+
+    registries.quantizers.register("test-picky", Picky)
+    try:
+        with pytest.raises(ConfigError, match=r"layer 'model\.layers\.0\.self_attn\.o_proj': square weights") as info:
+            LLM(llama, quantization="test-picky", **ENGINE)
+        assert info.value.field == "quantization"
+    finally:
+        registries.quantizers.unregister("test-picky")
