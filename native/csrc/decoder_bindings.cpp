@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "array_checks.h"
 #include "decoder.h"
 #include "quant_names.h"
 
@@ -16,27 +17,18 @@ namespace py = pybind11;
 
 namespace {
 
+// `obj` as a T array of `shape` (-1: any size) through the shared checks.
 template <typename T>
 T* array_data(const py::handle& obj, const std::string& name, std::vector<py::ssize_t> shape, bool writable = false) {
   if (!py::isinstance<py::array>(obj)) throw py::value_error(name + ": expected a numpy array");
-  py::array arr = py::reinterpret_borrow<py::array>(obj);
-  if (!arr.dtype().is(py::dtype::of<T>())) {
-    throw py::value_error(name + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) + ", got " +
-                          std::string(py::str(arr.dtype())));
-  }
-  if (!(arr.flags() & py::array::c_style)) throw py::value_error(name + ": must be C-contiguous");
-  if (writable && !arr.writeable()) throw py::value_error(name + ": must be writable");
-  if (arr.ndim() != static_cast<py::ssize_t>(shape.size())) {
-    throw py::value_error(name + ": expected " + std::to_string(shape.size()) + " dimensions, got " +
-                          std::to_string(arr.ndim()));
-  }
+  const py::array arr = py::reinterpret_borrow<py::array>(obj);
+  T* data = const_cast<T*>(pyagent::bindings::checked<T>(arr, name, static_cast<py::ssize_t>(shape.size()), writable));
   for (size_t i = 0; i < shape.size(); ++i) {
-    if (shape[i] >= 0 && arr.shape(i) != shape[i]) {
-      throw py::value_error(name + ".shape[" + std::to_string(i) + "] is " + std::to_string(arr.shape(i)) +
-                            ", expected " + std::to_string(shape[i]));
+    if (shape[i] >= 0) {
+      pyagent::bindings::expect_dim(arr, name, static_cast<int>(i), shape[i], "from the stack's shape and the batch");
     }
   }
-  return static_cast<T*>(arr.mutable_data());
+  return data;
 }
 
 class DecoderStack {

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "array_checks.h"
 #include "dispatch.h"
 #include "policies.h"
 #include "prefix.h"
@@ -17,27 +18,8 @@ void bind_decoder(py::module_& m);  // decoder_bindings.cpp
 
 namespace {
 
-template <typename T>
-const T* checked(const py::array& arr, const char* name, py::ssize_t ndim, bool writable = false) {
-  if (!py::isinstance<py::array_t<T>>(arr) || !arr.dtype().is(py::dtype::of<T>())) {
-    throw py::value_error(std::string(name) + ": expected dtype " + std::string(py::str(py::dtype::of<T>())) +
-                          ", got " + std::string(py::str(arr.dtype())));
-  }
-  if (arr.ndim() != ndim) {
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) + " dimensions, got " +
-                          std::to_string(arr.ndim()));
-  }
-  if (!(arr.flags() & py::array::c_style)) throw py::value_error(std::string(name) + ": must be C-contiguous");
-  if (writable && !arr.writeable()) throw py::value_error(std::string(name) + ": must be writable");
-  return static_cast<const T*>(arr.data());
-}
-
-void expect_dim(const py::array& arr, const char* name, int axis, py::ssize_t size, const char* what) {
-  if (arr.shape(axis) != size) {
-    throw py::value_error(std::string(name) + ".shape[" + std::to_string(axis) + "] is " +
-                          std::to_string(arr.shape(axis)) + ", expected " + std::to_string(size) + " (" + what + ")");
-  }
-}
+using pyagent::bindings::checked;
+using pyagent::bindings::expect_dim;
 
 void paged_decode_attention(py::array out, py::array query, py::array key_cache, py::array value_cache,
                             py::array block_tables, py::array seq_lens, float scale, int num_threads,
