@@ -9,6 +9,8 @@ matrix shrinks too.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +37,9 @@ class _PackingQuantizer(Quantizer):
     name = ""
     supported_devices = ("cpu",)
 
+    @abstractmethod
     def pack(self, weight) -> PackedWeight:
-        raise NotImplementedError
+        """The float ``weight`` in this quantizer's packed encoding."""
 
     def make_linear(self, weight, bias=None) -> PackedLinear:
         if not isinstance(weight, PackedWeight):
