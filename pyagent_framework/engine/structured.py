@@ -30,7 +30,7 @@ import torch
 from pyagent_framework import registries
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.params import StructuredOutputsParams
-from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
+from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher, LayerOps
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
 logger = logging.getLogger("pyagent_framework.engine")
@@ -92,7 +92,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little")
         np.putmask(logits.numpy(), bits == 0, -np.inf)
         return
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(batch, -1)[:, :vocab]
+    bitmask = bitmask.to(logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).view(batch, -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
@@ -299,21 +300,19 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------ masks
 
     @torch.inference_mode()
-    def apply_masks(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
-        """Mask the rows whose matcher is set, in place, with one batched operation."""
+    def apply_masks(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None], ops: LayerOps | None = None) -> None:
+        """Mask the rows whose matcher is set, in place, with one batched operation
+        (``ops.apply_token_bitmask``: the attention backend's kernel for the logits'
+        device; plain torch by default)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
         bitmask = torch.full((len(rows), bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)
         for slot, row in enumerate(rows):
             matchers[row].fill_bitmask(bitmask, slot)
-        if len(rows) == logits.shape[0]:
-            apply_token_bitmask(logits, bitmask)
-        else:
-            index = torch.tensor(rows)
-            subset = logits[index]
-            apply_token_bitmask(subset, bitmask)
-            logits[index] = subset
+        bitmask = bitmask.to(logits.device)
+        indices = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)
+        (ops or LayerOps()).apply_token_bitmask(logits, bitmask, indices)
 
 
 def _spec_text(spec: GrammarSpec) -> str:

@@ -6,7 +6,7 @@ object that has the required members is accepted without subclassing.
 """
 
 from pyagent_framework.interfaces._check import missing_members, required_members
-from pyagent_framework.interfaces.attention import AttentionBackend
+from pyagent_framework.interfaces.attention import AttentionBackend, LayerOps, layer_ops
 from pyagent_framework.interfaces.chat_template import ChatTemplateSource
 from pyagent_framework.interfaces.eviction import EvictionPolicy
 from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher
@@ -25,6 +25,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarMatcher",
     "KVConnector",
+    "LayerOps",
     "ModelArchitecture",
     "PackedWeight",
     "Quantizer",
@@ -32,6 +33,7 @@ __all__ = [
     "Tokenizer",
     "ToolParser",
     "WeightFormat",
+    "layer_ops",
     "missing_members",
     "required_members",
 ]

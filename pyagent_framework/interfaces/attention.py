@@ -27,9 +27,84 @@ class AttentionBackend(ABC):
     kv_caches, metadata)``, advances the residual stream ``x`` in place through every
     layer and returns True, or returns False for a batch it does not take (the model
     then runs its own layers).
+
+    Optional: a class attribute ``layer_ops``, a :class:`LayerOps` whose methods the
+    models use for the norms, rotary embedding and gated MLP around attention, and the
+    engine for grammar masks (fused kernels for the device the backend runs on).
     """
 
     @abstractmethod
     def forward(
         self, query: Any, key: Any, value: Any, kv_cache: Any, metadata: AttentionMetadata
     ) -> Any: ...
+
+
+class LayerOps:
+    """The element-wise ops around attention that an attention backend may bring
+    fused kernels for: the models call them for their norms, rotary embedding and
+    gated MLP, and the engine for grammar masks.
+
+    A backend names its ops in the class attribute ``layer_ops`` (see
+    :func:`layer_ops`); this base class is the plain-torch definition every override
+    must match, so a backend overrides only the methods it has kernels for (and may
+    call these to fall back).
+    """
+
+    def rms_norm(self, x: Any, weight: Any, eps: float, residual: Any = None) -> Any:
+        """``weight * x / sqrt(mean(x**2) + eps)`` over the last dimension, computed in
+        float32 and cast to ``x.dtype`` before the weight is applied (as transformers
+        does). With ``residual``: the residual add between decoder layers fused in front
+        of it: returns ``(rms_norm(x + residual), x + residual)``; an override may write
+        the sum into ``residual`` in place, so the caller must use the returned one."""
+        import torch
+        import torch.nn.functional as F
+
+        if residual is not None:
+            summed = x + residual
+            return self.rms_norm(summed, weight, eps), summed
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)  # the same math, one kernel
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    def rotary_embedding(self, x: Any, cos: Any, sin: Any) -> Any:
+        """Rotate ``x [tokens, heads, head_dim]`` by ``cos``/``sin`` ``[tokens,
+        head_dim // 2]``, "rotate half" (NeoX/Llama) style: with ``x1, x2`` the two
+        halves of the last dimension, ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``.
+        Returns the result; an override may rotate ``x`` in place."""
+        import torch
+
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def silu_and_mul(self, x: Any) -> Any:
+        """SwiGLU's gate: ``x [tokens, 2 * n]`` -> ``silu(x[:, :n]) * x[:, n:]``."""
+        import torch.nn.functional as F
+
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def apply_token_bitmask(self, logits: Any, bitmask: Any, indices: Any = None) -> None:
+        """In place: set to ``-inf`` every logit whose bit is clear. ``bitmask`` is
+        packed ``int32`` ``[rows, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32``
+        allows token ``t``); row ``r`` masks ``logits[indices[r]]``, or ``logits[r]``
+        when ``indices`` is None."""
+        from pyagent_framework.engine.structured import apply_token_bitmask
+
+        if indices is None:
+            apply_token_bitmask(logits, bitmask)
+            return
+        subset = logits[indices]
+        apply_token_bitmask(subset, bitmask.to(subset.device))
+        logits[indices] = subset
+
+
+_DEFAULT_OPS = LayerOps()
+
+
+def layer_ops(backend: Any) -> LayerOps:
+    """The ops of an attention backend (class or instance): its ``layer_ops``, else
+    the plain-torch :class:`LayerOps`."""
+    return getattr(backend, "layer_ops", None) or _DEFAULT_OPS

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyagent_framework.interfaces import ModelArchitecture, PackedWeight
+from pyagent_framework.interfaces import LayerOps, ModelArchitecture, PackedWeight, layer_ops
 from pyagent_framework.types import ForwardContext
 
 from .rope import RotaryEmbedding, rope_parameters
@@ -57,20 +57,18 @@ class DecoderSpec:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x**2) + eps)``, computed in float32 as transformers does."""
+    """``weight * x / sqrt(mean(x**2) + eps)``, computed in float32 as transformers does
+    (by ``ops.rms_norm``: the attention backend's kernel, else plain torch). Called
+    with ``residual``, it first adds it: ``(norm(x + residual), x + residual)``."""
 
-    def __init__(self, size: int, eps: float = 1e-6) -> None:
+    def __init__(self, size: int, eps: float = 1e-6, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops or LayerOps()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, fused
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 # compute_logits slices the output head for batches of at least this many rows.
@@ -101,9 +99,10 @@ class Attention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.ops = ops = layer_ops(attention_backend)
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps, ops)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
         if sliding_window is None:
@@ -130,12 +129,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q = RotaryEmbedding.apply(q, cos, sin)
-            k = RotaryEmbedding.apply(k, cos, sin)
+            q = self.ops.rotary_embedding(q, cos, sin)
+            k = self.ops.rotary_embedding(k, cos, sin)
         else:
             # q and k side by side are rotated in one go.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = RotaryEmbedding.apply(qk, cos, sin)
+            qk = self.ops.rotary_embedding(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, context.metadata)
@@ -145,28 +144,38 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.ops = ops or LayerOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream travels beside the layer's output, so each
+    norm adds it in the same call (``RMSNorm(x, residual)``): ``forward(h, residual)``
+    returns ``(mlp output, residual)``, whose sum is the layer's output; ``residual``
+    is None for the first layer, whose input is the stream itself."""
+
     def __init__(self, attention: Attention, mlp: MLP, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, attention.ops)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, attention.ops)
 
-    def forward(self, x, cos, sin, kv_cache, context):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, cos, sin, kv_cache, context):
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, context)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -255,14 +264,16 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
                     sliding_window=window,
                 ),
-                MLP(self.hidden_size, self.intermediate_size, mlp_bias),
+                MLP(self.hidden_size, self.intermediate_size, mlp_bias, layer_ops(attention_backend)),
                 self.hidden_size,
                 self.rms_norm_eps,
             )
             for window in self.layer_windows
         ]
         self.model = DecoderModel(
-            nn.Embedding(self.vocab_size, self.hidden_size), layers, RMSNorm(self.hidden_size, self.rms_norm_eps)
+            nn.Embedding(self.vocab_size, self.hidden_size),
+            layers,
+            RMSNorm(self.hidden_size, self.rms_norm_eps, layer_ops(attention_backend)),
         )
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         if self.tie_word_embeddings:
@@ -308,9 +319,12 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         fused = self._fused_decoder() if context is not None else None
         if fused is not None and fused(x, cos, sin, context.kv_caches, context.metadata):
             return self.model.norm(x)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, context.kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, context)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, context)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def _fused_decoder(self):
         """The attention backend's whole-stack decode step, asked for once per model:

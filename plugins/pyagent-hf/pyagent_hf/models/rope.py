@@ -161,10 +161,3 @@ class RotaryEmbedding(nn.Module):
         if dtype is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by ``cos``/``sin`` ``[T, head_dim // 2]``."""
-        x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
