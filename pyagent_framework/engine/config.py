@@ -77,6 +77,7 @@ class EngineConfig:
     attention_backend: str = attrs.field(default="auto", metadata={"help": "attention backend name; auto: 'native' when pyagent-native is installed, else 'torch'"})
     quantization: str | None = attrs.field(default=None, metadata={"help": "quantizer name (none, int8, int4, gguf, fp8, ...); default: 'gguf' for a GGUF file (its quantized tensors kept as stored), else 'native' (unquantized, native small-batch kernel) for float32 when pyagent-native is installed, else 'none'"})
     quantization_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("quantization_config", v), metadata={"help": "the quantizer's options as JSON, e.g. '{\"group_size\": 64}' for int4"})
+    device: str = attrs.field(default="auto", metadata={"help": "where the model runs: auto (the first CUDA GPU when torch sees one, else cpu), cpu, cuda, cuda:N"})
     dtype: str = attrs.field(default="float32", metadata={"help": "compute dtype: float32, bfloat16, float16"})
     kv_cache_memory: str | None = attrs.field(default="1GiB", metadata={"help": "KV cache memory budget, e.g. 2GiB"})
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "KV cache size in blocks (overrides --kv-cache-memory)"})

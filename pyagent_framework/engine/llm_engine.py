@@ -27,6 +27,7 @@ from pyagent_framework.engine.sampler import SampleResult, Sampler, top_logprobs
 from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence, SequenceStatus
 from pyagent_framework.engine.structured import StructuredOutputManager
+from pyagent_framework.interfaces import layer_ops
 
 logger = logging.getLogger("pyagent_framework.engine")
 
@@ -62,14 +63,18 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.device = loader.choose_device(config.device)
         self.model_path = loader.resolve_model(config.model)
         weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
         self.tokenizer = self._load_tokenizer(config)
         # "auto" / unset resolved to the names that run (native ones when installed).
-        self.attention_backend = loader.choose_attention_backend(config.attention_backend)
-        self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format)
-        logger.info("attention backend %r, quantization %r", self.attention_backend, self.quantization)
+        self.attention_backend = loader.choose_attention_backend(config.attention_backend, self.device)
+        self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format, self.device)
+        self.layer_ops = layer_ops(loader.load_entry(registries.attention_backends, self.attention_backend, "attention_backend"))
+        logger.info(
+            "device %s, attention backend %r, quantization %r", self.device, self.attention_backend, self.quantization
+        )
         # Checked before the weights load, so a misspelt name fails fast.
         self.grammar_backend = self._check_grammar_backend(config.grammar_backend)
         grammar_cache_bytes = config.grammar_cache_bytes()
@@ -85,6 +90,7 @@ class LLMEngine:
             quantization=self.quantization,
             quantization_config=config.quantization_config,
             dtype=config.dtype,
+            device=self.device,
         )
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = self._max_model_len(config)
@@ -104,7 +110,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed)
         self.chat_template = self._chat_template(config)
@@ -180,7 +186,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory/num_kv_blocks or lower max_model_len",
                 field="kv_cache_memory",
             )
-        cache = torch.zeros(self.model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype)
+        cache = torch.zeros(self.model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, cache.nbytes / 2**20)
         return list(cache.unbind(0)), num_blocks
 
@@ -358,7 +364,7 @@ class LLMEngine:
         if logits.sample_seqs:
             matchers = [seq.matcher if seq.reasoning_end is None else None for seq in logits.sample_seqs]
             if any(m is not None for m in matchers):
-                self.structured.apply_masks(logits.sample_logits, matchers)
+                self.structured.apply_masks(logits.sample_logits, matchers, self.layer_ops)
             results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
             for seq, result in zip(logits.sample_seqs, results):
                 self._append_token(seq, result, now)
@@ -417,7 +423,7 @@ class LLMEngine:
             if request.prompt_logprobs is None or seq.seq_id not in logits.prompt_rows:
                 continue
             first, rows = logits.prompt_rows[seq.seq_id]
-            logprobs = torch.log_softmax(rows.float(), dim=-1)
+            logprobs = torch.log_softmax(rows.float().cpu(), dim=-1)
             for offset in range(rows.shape[0]):
                 position = first + offset
                 if position + 1 < len(request.prompt_logprobs):

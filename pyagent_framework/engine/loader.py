@@ -58,29 +58,54 @@ def load_entry(registry, name: str, field: str) -> Any:
         raise ConfigError(f"{field}: {exc}", field=field) from None
 
 
-# "auto" picks the first of these attention backends that is registered here: the
-# native core's in-place paged kernel when its plugin is installed, else the built-in.
-AUTO_ATTENTION_BACKENDS = ("native", "torch")
+def choose_device(name: str):
+    """The torch device the model runs on: ``auto`` is the first CUDA GPU when torch
+    sees one, else the CPU; otherwise a torch device string (``cpu``, ``cuda``,
+    ``cuda:1``) that must exist here."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device: {name!r} is not a device ({exc}); use cpu, cuda or cuda:N", field="device") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {name!r} asked for, but torch {torch.__version__} sees no CUDA GPU", field="device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r}, but torch sees {torch.cuda.device_count()} CUDA GPU(s)", field="device")
+    elif device.type != "cpu":
+        raise ConfigError(f"device: {name!r}: only cpu and cuda devices are supported", field="device")
+    return device
 
 
-def choose_attention_backend(name: str) -> str:
+# "auto" picks the first of these attention backends that is registered here, by
+# device type: on the CPU the native core's in-place paged kernel when its plugin is
+# installed; on a GPU the Triton kernels; else the built-in.
+AUTO_ATTENTION_BACKENDS = {"cpu": ("native", "torch"), "cuda": ("triton", "torch")}
+
+
+def choose_attention_backend(name: str, device: Any = "cpu") -> str:
     if name != "auto":
         return name
-    return next((n for n in AUTO_ATTENTION_BACKENDS if n in registries.attention_backends), "torch")
+    kind = getattr(device, "type", str(device).partition(":")[0])
+    return next((n for n in AUTO_ATTENTION_BACKENDS.get(kind, ()) if n in registries.attention_backends), "torch")
 
 
-# With no quantization named, a checkpoint whose format names a quantizer (GGUF: "gguf",
-# which keeps the file's quantized tensors) takes it when it is registered and the
-# compute dtype is float32; other float32 models take the first of these quantizers that
-# is registered: the native core's unquantized linears (a faster small-batch kernel,
-# same weights), else plain torch linears.
+# With no quantization named, a CPU model whose checkpoint format names a quantizer
+# (GGUF: "gguf", which keeps the file's quantized tensors) takes it when it is
+# registered and the compute dtype is float32; other float32 CPU models take the first
+# of these quantizers that is registered: the native core's unquantized linears (a
+# faster small-batch kernel, same weights), else plain torch linears. Those kernels are
+# CPU code, so a GPU model takes plain torch linears (the checkpoint dequantized).
 AUTO_QUANTIZERS = ("native", "none")
 
 
-def choose_quantization(name: str | None, dtype: str, weight_format=None) -> str:
+def choose_quantization(name: str | None, dtype: str, weight_format=None, device: Any = "cpu") -> str:
     if name is not None:
         return name
-    if dtype.lower() not in ("float32", "fp32"):
+    if dtype.lower() not in ("float32", "fp32") or getattr(device, "type", str(device)) != "cpu":
         return "none"
     preferred = getattr(weight_format, "default_quantization", None)
     if preferred and preferred in registries.quantizers:
@@ -134,9 +159,11 @@ def build_model(
     quantization: str | None,
     dtype: str,
     quantization_config: dict[str, Any] | None = None,
+    device: Any = "cpu",
 ):
     """Construct the architecture named by the config, load its weights, then swap its
-    linear layers for the quantizer's.
+    linear layers for the quantizer's, then move it to ``device`` (weights are read on
+    the CPU).
 
     A quantizer that reads packed encodings (``packed_encodings``) gets them straight
     from a weight format that can keep them (``supports_packed``) for a model that takes
@@ -148,8 +175,10 @@ def build_model(
         raise ConfigError(f"the config of {path} names no architectures", field="model")
     arch_name = next((a for a in architectures if a in registries.model_architectures), architectures[0])
     arch = load_entry(registries.model_architectures, arch_name, "model")
-    backend = load_entry(registries.attention_backends, choose_attention_backend(attention_backend), "attention_backend")
-    quantization = choose_quantization(quantization, dtype, weight_format)
+    backend = load_entry(
+        registries.attention_backends, choose_attention_backend(attention_backend, device), "attention_backend"
+    )
+    quantization = choose_quantization(quantization, dtype, weight_format, device)
     quantizer = make_quantizer(quantization, quantization_config)
 
     torch_type = torch_dtype(dtype)
@@ -173,6 +202,8 @@ def build_model(
         count = swap_linears(model, quantizer, packed=model.packed_weights() if packed else None)
         logger.info("quantization %r: %d linear layers replaced", quantization, count)
         _release_freed_memory()
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
     return model.eval()
 
 

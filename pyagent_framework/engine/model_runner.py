@@ -23,10 +23,14 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    """The batch is laid out on the CPU and copied to the model's device in one go per
+    tensor; the logits stay on that device (the engine masks and samples them)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.device = torch.device(device or "cpu")
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -52,18 +56,19 @@ class ModelRunner:
                 last = min(end, seq.num_prompt_tokens - 1)  # position whose next token is still prompt
                 prompt_spans[seq.seq_id] = (row0, begin, last - begin)
 
+        to_device = self._to_device
         metadata = AttentionMetadata(
-            slot_mapping=torch.cat(slots),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=to_device(torch.cat(slots)),
+            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32)),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=to_device(torch.tensor(tables, dtype=torch.int32)),
             block_size=self.block_size,
             max_query_len=max(n for _, n in batch.items),
             max_seq_len=max(seq_lens),
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.cat(positions),
+            to_device(torch.tensor(input_ids, dtype=torch.long)),
+            to_device(torch.cat(positions)),
             ForwardContext(metadata=metadata, kv_caches=self.kv_caches),
         )
         sample_logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
@@ -72,3 +77,8 @@ class ModelRunner:
             for seq_id, (row0, first, count) in prompt_spans.items()
         }
         return StepLogits(sample_seqs, sample_logits, prompt_rows)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.to(self.device)

@@ -89,8 +89,14 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """One token per row of ``logits`` (float32 ``[len(seqs), vocab]``)."""
+        """One token per row of ``logits`` (float32 ``[len(seqs), vocab]``, on any device)."""
         logits = logits.float()
+        if logits.device.type != "cpu":
+            # Sampling runs on the CPU (per-sequence generators, Python-side processors);
+            # a batch of plain greedy rows needs only its argmax from the device.
+            if all(s.params.greedy and s.params.logprobs is None and not _needs_processing(s) for s in seqs):
+                return [SampleResult(int(t)) for t in logits.argmax(dim=-1).tolist()]
+            logits = logits.cpu()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
