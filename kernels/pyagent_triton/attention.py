@@ -1,0 +1,677 @@
+"""Paged attention in Triton: a split-K decode kernel and a varlen prefill kernel.
+
+Both read keys and values from the engine's paged cache, ``kv_cache [2, num_blocks,
+block_size, num_kv_heads, head_dim]`` (keys, then values): the key at position ``p``
+of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
+``p % block_size``. The slot is looked up per key token, so a tile of keys may span
+any number of blocks and ``block_size`` can be anything (1, 3, 16, ...); only
+positions below a sequence's length are read, so the ``-1`` padding of the block
+tables is never dereferenced. Query head ``h`` reads key/value head ``h // group``
+(``group = num_heads // num_kv_heads``); a sliding window ``W`` lets a query at
+position ``p`` see only the keys at ``p - W < k <= p``.
+
+Both kernels share one inner loop (:func:`_attend_keys`): an online softmax in
+float32 over a range of key positions, ``tl.dot`` for ``QK^T`` and ``PV``, scores
+kept in base 2 (``exp2``, the scale folded with ``log2(e)``); float32 inputs use
+``tf32x3`` products (about float32 accuracy on tensor cores). Head dims that are not
+a power of two are padded to the next one (at least 16, the smallest ``tl.dot``) and
+masked.
+
+``paged_attention_decode`` (one new token per sequence, at position ``seq_len - 1``)
+    Grid ``(num_seqs, num_kv_heads, num_splits)``. One program holds the query rows of
+    *all* the query heads of one key/value head (the group, padded to a power of two
+    of at least 16 rows), so each key/value tile is loaded once per group. The visible
+    keys of a sequence (its window, or all of it) are cut into ``num_splits``
+    contiguous ranges of whole ``BLOCK_N`` tiles, one per program. With one split the
+    program writes the normalized output directly. With more, each writes its
+    partial row max ``m``, sum ``l`` (both base 2) and unnormalized accumulator (all
+    float32) to a scratch buffer, and a second kernel, grid ``(num_seqs,
+    num_heads)``, combines them by log-sum-exp: ``M = max_i m_i``, ``w_i = 2^(m_i -
+    M)``, ``out = sum_i w_i acc_i / sum_i w_i l_i`` (empty splits have ``m = -inf``,
+    so their weight is 0). :func:`decode_num_splits` picks the split count from the
+    longest possible context and the number of ``(sequence, kv head)`` programs.
+
+``paged_attention_prefill`` (the new tokens of every sequence, flattened, varlen)
+    Grid ``(num_seqs, num_kv_heads, cdiv(max_query_len, BLOCK_Q))``. A program's
+    ``BLOCK_M`` rows are ``BLOCK_Q`` consecutive new tokens of one sequence times the
+    ``group`` query heads of one key/value head (row ``r`` is token ``r // group``,
+    head ``r % group``), so a query length of 1 still fills ``group`` rows and a mixed
+    batch of prompts, chunked prefills and decodes is one launch. New token ``i`` of a
+    sequence with ``q_len`` new tokens sits at position ``seq_len - q_len + i`` and
+    attends causally to the cached context and the new tokens before it (all read
+    from the cache, where they were written before the call); keys outside every
+    row's window are skipped. Programs past their sequence's query length return at
+    once.
+
+The ``*_reference`` twins compute the same thing in plain torch, written for obvious
+correctness rather than speed (a loop over sequences, each gathering its keys and
+values through its block table, float32 softmax with explicit causal and window
+masks). They are what the kernel tests compare against, and are themselves checked
+against ``scaled_dot_product_attention`` on an unpaged copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "decode_num_splits",
+    "paged_attention_decode",
+    "paged_attention_decode_reference",
+    "paged_attention_prefill",
+    "paged_attention_prefill_reference",
+]
+
+_LOG2E = math.log2(math.e)
+# "No sliding window" is a window wider than any sequence: every key passes the test.
+_NO_WINDOW = 1 << 30
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+# Split-K for decode: a split gets at least this many keys, and there are at most
+# _MAX_SPLITS of them.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _attend_keys(
+    acc,  # [ROWS, BLOCK_D] float32, unnormalized output
+    m_i,  # [ROWS] float32, running row max (base 2)
+    l_i,  # [ROWS] float32, running row sum
+    q,  # [ROWS, BLOCK_D]
+    q_pos,  # [ROWS] int, each row's position in its sequence
+    lo,  # first key position to visit
+    hi,  # one past the last key position to visit (<= seq_len)
+    window,
+    qk_scale,  # scale * log2(e)
+    k_cache,
+    v_cache,
+    table_row,  # pointer to this sequence's row of the block tables
+    kv_head,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of ``q`` over the keys at positions ``lo <= k < hi`` (causal and
+    windowed per row); returns the updated ``(acc, m_i, l_i)``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + offs_n
+        k_valid = k_pos < hi
+        # Each key's slot through the block table (int64: caches can pass 2**31 elements).
+        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        offset = k_pos % BLOCK_SIZE
+
+        k_off = block * stride_kb + offset * stride_kt + kv_head * stride_kh
+        k = tl.load(
+            k_cache + k_off[None, :] + offs_d[:, None] * stride_kd,
+            mask=k_valid[None, :] & d_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+
+        visible = (
+            k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        )
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+        # that exp2 gives 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_off = block * stride_vb + offset * stride_vt + kv_head * stride_vh
+        v = tl.load(
+            v_cache + v_off[:, None] + offs_d[None, :] * stride_vd,
+            mask=k_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    part_m,  # [B, H, num_splits] float32 (split-K only)
+    part_l,  # [B, H, num_splits] float32 (split-K only)
+    part_acc,  # [B, H, num_splits, head_dim] float32 (split-K only)
+    seq_lens,
+    block_tables,
+    qk_scale,
+    window,
+    head_dim,
+    num_heads,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_table,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q = tl.load(
+        q_ptr + seq * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # This split's share of the visible keys, in whole tiles.
+    seq_len = tl.load(seq_lens + seq)
+    first_visible = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_visible, num_splits), BLOCK_N) * BLOCK_N
+    lo = first_visible + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale,
+        k_cache, v_cache, block_tables + seq * stride_table, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+    if SPLIT_K:
+        part = (seq * num_heads + head) * num_splits + split  # [BLOCK_G]
+        tl.store(part_m + part, m_i, mask=row_mask)
+        tl.store(part_l + part, l_i, mask=row_mask)
+        tl.store(
+            part_acc + part[:, None] * head_dim + offs_d[None, :],
+            acc,
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m,
+    part_l,
+    part_acc,
+    out_ptr,
+    head_dim,
+    num_heads,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    SPLITS: tl.constexpr,  # num_splits rounded up to a power of two
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+
+    part = (seq * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_acc + part[:, None] * head_dim + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: 0
+    total = tl.sum(weight * l, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    qk_scale,
+    window,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_table,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # new tokens per program; BLOCK_Q * GROUP <= BLOCK_M
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    first = tile * BLOCK_Q  # first new token of this program
+    if first >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len  # cached tokens before the new ones
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=io_mask,
+        other=0.0,
+    )
+    q_pos = context + token
+
+    # Keys seen by any row: from the first row's window start to the last row itself.
+    lo = tl.maximum(context + first - window + 1, 0)
+    hi = context + tl.minimum(first + BLOCK_Q, q_len)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale,
+        k_cache, v_cache, block_tables + seq * stride_table, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh, stride_vd,
+        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100's count: on CPU (the interpreter) the choice only needs to be stable
+
+
+def decode_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """How many ranges to split each sequence's keys into for decode.
+
+    One split (no combine pass) while the contexts are short (under
+    ``2 * _MIN_KEYS_PER_SPLIT`` keys) or ``num_seqs * num_kv_heads`` programs already
+    fill about two waves of ``num_sms`` multiprocessors; otherwise enough splits to
+    reach two waves, with at least ``_MIN_KEYS_PER_SPLIT`` keys per split and at most
+    ``_MAX_SPLITS`` splits.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    return max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _tile_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: three tf32 products, about float32 accuracy (plain tf32 is off by
+    # ~1e-3) at tensor-core speed (on an H100 "ieee" was ~40x slower for prefill).
+    # 16-bit inputs ignore the setting.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _window(sliding_window: int | None) -> int:
+    if sliding_window is None:
+        return _NO_WINDOW
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return min(sliding_window, _NO_WINDOW)
+
+
+def _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs: int, what: str) -> None:
+    """Checks shared by decode and prefill; ``query`` is ``[*, H, D]``."""
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError(f"query must be a 3-d tensor {what}, got {_shape(query)}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query must be float32, float16 or bfloat16, got {query.dtype}")
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {_shape(kv_cache)}"
+        )
+    if kv_cache.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"kv_cache must be float32, float16 or bfloat16, got {kv_cache.dtype}")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim ({kv_cache.shape[4]}) differs from query head_dim ({head_dim})")
+    if num_heads == 0 or num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query num_heads ({num_heads}) must be a positive multiple of kv_cache num_kv_heads ({num_kv_heads})"
+        )
+    if kv_cache.shape[2] < 1 or head_dim < 1:
+        raise ValueError(f"kv_cache block_size and head_dim must be at least 1, got {tuple(kv_cache.shape)}")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens must be a 1-d tensor of {num_seqs} lengths, got {_shape(seq_lens)}")
+    if seq_lens.dtype not in _INT_DTYPES:
+        raise ValueError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {_shape(block_tables)}")
+    if block_tables.dtype not in _INT_DTYPES:
+        raise ValueError(f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    for name, tensor in (("kv_cache", kv_cache), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a float, got {scale!r}")
+
+
+def _shape(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _output(out, query: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must be a {query.dtype} tensor of shape {tuple(query.shape)}, got {_shape(out)}")
+    if out.device != query.device:
+        raise ValueError(f"out is on {out.device} but query is on {query.device}")
+    return out
+
+
+def _cache_args(kv_cache: torch.Tensor) -> tuple:
+    """Key and value caches (views, so their offsets fit the pointers) and their strides."""
+    keys, values = kv_cache[0], kv_cache[1]
+    return (keys, values), (*keys.stride()[:4], *values.stride()[:4])
+
+
+def _row_major(table: torch.Tensor) -> torch.Tensor:
+    return table if table.stride(-1) == 1 else table.contiguous()
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged keys/values.
+
+    ``query [B, H, D]`` (any strides) is the token at position ``seq_lens[b] - 1`` of
+    sequence ``b``, whose keys/values (this token's included) are already in
+    ``kv_cache``; ``block_tables [B, max_blocks]``. Returns ``[B, H, D]`` in
+    ``query.dtype`` (written into ``out`` when given). ``num_splits=None`` asks
+    :func:`decode_num_splits`, bounding the context by ``max_blocks * block_size``
+    (no device sync).
+    """
+    num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else 0
+    _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs, "[num_seqs, num_heads, head_dim]")
+    window = _window(sliding_window)
+    out = _output(out, query)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        longest = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            longest = min(longest, sliding_window)
+        num_splits = decode_num_splits(longest, num_seqs, num_kv_heads, _num_sms(query.device))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if num_seqs == 0:
+        return out
+
+    block_d = _tile_d(head_dim)
+    block_n = 64 if block_d <= 128 else 32
+    split_k = num_splits > 1
+    if split_k:
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    seq_lens = seq_lens.contiguous()
+    block_tables = _row_major(block_tables)
+    (keys, values), cache_strides = _cache_args(kv_cache)
+
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, keys, values, out, part_m, part_l, part_acc, seq_lens, block_tables,
+        float(scale) * _LOG2E, window, head_dim, num_heads, num_splits,
+        *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SPLIT_K=split_k,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )  # fmt: skip
+    if split_k:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_m, part_l, part_acc, out, head_dim, num_heads, num_splits, *out.stride(),
+            SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of several sequences (varlen) over the cache.
+
+    ``query [T, H, D]`` (any strides) holds the new tokens of every sequence in order,
+    sequence ``s`` owning rows ``query_start_loc[s]:query_start_loc[s + 1]``; its new
+    token ``i`` is at position ``seq_lens[s] - q_len_s + i`` and sees every earlier
+    position (cached context included, within the window). Their keys/values must
+    already be in ``kv_cache``. Any query length works, 1 included. Returns ``[T, H,
+    D]`` in ``query.dtype``. ``max_query_len`` (the longest ``q_len_s``) sizes the
+    grid; when ``None`` it is read from ``query_start_loc`` (a device sync).
+    """
+    if not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
+        raise ValueError(f"query_start_loc must be a 1-d tensor of num_seqs + 1 offsets, got {_shape(query_start_loc)}")
+    if query_start_loc.dtype not in _INT_DTYPES:
+        raise ValueError(f"query_start_loc must be int32 or int64, got {query_start_loc.dtype}")
+    num_seqs = query_start_loc.shape[0] - 1
+    _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs, "[num_tokens, num_heads, head_dim]")
+    if query_start_loc.device != query.device:
+        raise ValueError(f"query_start_loc is on {query_start_loc.device} but query is on {query.device}")
+    window = _window(sliding_window)
+    out = _output(out, query)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    elif isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
+    if num_seqs == 0 or max_query_len == 0 or query.shape[0] == 0:
+        return out
+
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
+    block_d = _tile_d(head_dim)
+    # Rows are (token, head-in-group) pairs: enough for the longest query, at most 64
+    # (or one token's group when that is larger).
+    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    block_q = block_m // group
+    block_n = 64 if block_d <= 128 else 32
+    query_start_loc = query_start_loc.contiguous()
+    seq_lens = seq_lens.contiguous()
+    block_tables = _row_major(block_tables)
+    (keys, values), cache_strides = _cache_args(kv_cache)
+
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        query, keys, values, out, query_start_loc, seq_lens, block_tables,
+        float(scale) * _LOG2E, window, head_dim,
+        *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(query.dtype),
+    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- torch twins
+
+
+def _gather_sequence(kv_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """Keys and values ``[seq_len, KVH, D]`` of one sequence, position by position."""
+    block_size = kv_cache.shape[2]
+    positions = torch.arange(seq_len, device=kv_cache.device)
+    blocks = table_row.to(kv_cache.device).long()[positions // block_size]
+    offsets = positions % block_size
+    return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
+
+
+def paged_attention_prefill_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of :func:`paged_attention_prefill` (float32, one sequence at a time)."""
+    num_heads = query.shape[1]
+    group = num_heads // kv_cache.shape[3]
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for s, seq_len in enumerate(lengths):
+        start, end = starts[s], starts[s + 1]
+        if end == start:
+            continue
+        keys, values = _gather_sequence(kv_cache, block_tables[s], seq_len)
+        keys = keys.float().repeat_interleave(group, dim=1)  # [S, H, D]
+        values = values.float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [L, H, D]
+
+        scores = torch.einsum("lhd,shd->hls", q, keys) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, values).to(query.dtype)
+    return out
+
+
+def paged_attention_decode_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of :func:`paged_attention_decode`: a prefill of one token per sequence."""
+    one_each = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return paged_attention_prefill_reference(
+        query, kv_cache, one_each, seq_lens, block_tables, scale, sliding_window=sliding_window
+    )
