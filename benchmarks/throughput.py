@@ -4,11 +4,13 @@ llama-cpp-python) on the same model and the same work, in one run.
     .venv/bin/python benchmarks/throughput.py                  # 64 chat prompts x 128 tokens
     .venv/bin/python benchmarks/throughput.py --mode single    # one stream, 128 tokens
     .venv/bin/python benchmarks/throughput.py --peer llama-cpp # adds llama-cpp-python on the GGUF
+    python benchmarks/throughput.py --device cuda --dtype bfloat16 --hf-batch-size 64  # on a GPU
 
-Greedy, ignore EOS, fp32 for both engines (ours with the float32 linears, `native`
-or `none`, even on the GGUF, whose default is its quantized tensors:
-`benchmarks/decode.py` measures that path). Prints output tokens per second for each
-and the ratio ours / peer. Model loading is not timed.
+Greedy, ignore EOS, the same dtype for both engines (float32 by default; ours with the
+float32 linears, `native` or `none`, even on the GGUF, whose default is its quantized
+tensors: `benchmarks/decode.py` measures that path), both on ``--device``. Prints
+output tokens per second for each and the ratio ours / peer. Model loading is not
+timed; on a GPU each side is synchronized before its clock stops.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def chat_prompts(n: int) -> list[list[dict]]:
 def run_ours(model: str | None, prompt_ids: list[list[int]], max_tokens: int, args) -> dict:
     from pyagent_framework import LLM, SamplingParams, registries
 
-    fp32 = next(name for name in ("native", "none") if name in registries.quantizers)
+    unquantized = ("native", "none") if args.device == "cpu" and args.dtype == "float32" else ("none",)
+    quantization = next(name for name in unquantized if name in registries.quantizers)
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              quantization=fp32)
+              quantization=quantization, device=args.device, dtype=args.dtype,
+              attention_backend=args.attention_backend)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompt_ids[:1], params.replace(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -51,11 +55,11 @@ def run_ours(model: str | None, prompt_ids: list[list[int]], max_tokens: int, ar
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = sorted(o.metrics.time_to_first_token for o in outputs)
-    return {"engine": "pyagent", "seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
+    return {"engine": f"pyagent ({llm.engine.attention_backend} attention)", "seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
             "ttft_p50_s": ttft[len(ttft) // 2]}
 
 
-def load_transformers(path: str):
+def load_transformers(path: str, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path.endswith(".gguf"):
@@ -63,30 +67,38 @@ def load_transformers(path: str):
         path = os.path.dirname(path)
     else:
         kwargs = {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     return model, tokenizer
 
 
-def run_transformers(path: str, prompt_ids: list[list[int]], max_tokens: int, batch_size: int) -> dict:
-    model, tokenizer = load_transformers(path)
+def run_transformers(path: str, prompt_ids: list[list[int]], max_tokens: int, batch_size: int, args) -> dict:
+    model, tokenizer = load_transformers(path, args.device, args.dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def batch(ids_list):
         width = max(map(len, ids_list))
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in ids_list])  # left padding
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in ids_list])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in ids_list], device=args.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in ids_list], device=args.device)
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, pad_token_id=pad)
-        return (out.shape[1] - width) * len(ids_list)
+        return (out.shape[1] - width) * len(ids_list)  # .shape waits for nothing; the tokens are read below
 
     batch(prompt_ids[:1][:1])  # warm-up
+    _synchronize(args.device)
     start = time.perf_counter()
     tokens = sum(batch(prompt_ids[i : i + batch_size]) for i in range(0, len(prompt_ids), batch_size))
+    _synchronize(args.device)
     elapsed = time.perf_counter() - start
-    return {"engine": f"transformers generate (batch {batch_size}, fp32)", "seconds": elapsed, "output_tokens": tokens,
-            "tok_per_s": tokens / elapsed}
+    return {"engine": f"transformers generate (batch {batch_size}, {args.dtype})", "seconds": elapsed,
+            "output_tokens": tokens, "tok_per_s": tokens / elapsed}
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def run_llama_cpp(path: str, prompt_ids: list[list[int]], max_tokens: int) -> dict:
@@ -115,6 +127,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--peer", action="append", default=["transformers"], choices=["transformers", "llama-cpp"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -134,7 +149,7 @@ def main() -> None:
     results = [run_ours(args.model, prompt_ids, args.max_tokens, args)]
     for peer in dict.fromkeys(args.peer):
         if peer == "transformers":
-            results.append(run_transformers(path, prompt_ids, args.max_tokens, hf_batch))
+            results.append(run_transformers(path, prompt_ids, args.max_tokens, hf_batch, args))
         elif peer == "llama-cpp":
             try:
                 results.append(run_llama_cpp(path, prompt_ids, args.max_tokens))
@@ -147,11 +162,13 @@ def main() -> None:
     summary = {
         "model": os.path.basename(path), "mode": args.mode, "prompts": count, "max_tokens": args.max_tokens,
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(), "results": results,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "dtype": args.dtype,
     }
     if args.json:
         print(json.dumps(summary, indent=2))
         return
-    print(f"{summary['model']}  mode={args.mode}  prompts={count}  max_tokens={args.max_tokens}  threads={summary['threads']}")
+    print(f"{summary['model']}  mode={args.mode}  prompts={count}  max_tokens={args.max_tokens}  threads={summary['threads']}"
+          f"  device={summary['device']}  dtype={args.dtype}")
     for r in results:
         ratio = f"   ours/peer = {r['ours_over_peer']:.2f}x" if "ours_over_peer" in r else ""
         print(f"  {r['engine']:<45} {r['tok_per_s']:8.1f} tok/s  ({r['output_tokens']} tokens in {r['seconds']:.1f} s){ratio}")
