@@ -59,6 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pyagent_triton.runtime import next_pow2
+
 __all__ = [
     "decode_num_splits",
     "paged_attention_decode",
@@ -394,7 +396,7 @@ def decode_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sm
 
 
 def _tile_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_pow2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -528,7 +530,7 @@ def paged_attention_decode(
         float(scale) * _LOG2E, window, head_dim, num_heads, num_splits,
         *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
         GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, next_pow2(group)),
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -538,7 +540,7 @@ def paged_attention_decode(
     if split_k:
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_m, part_l, part_acc, out, head_dim, num_heads, num_splits, *out.stride(),
-            SPLITS=triton.next_power_of_2(num_splits),
+            SPLITS=next_pow2(num_splits),
             BLOCK_D=block_d,
         )  # fmt: skip
     return out
@@ -588,7 +590,7 @@ def paged_attention_prefill(
     block_d = _tile_d(head_dim)
     # Rows are (token, head-in-group) pairs: enough for the longest query, at most 64
     # (or one token's group when that is larger).
-    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    block_m = max(16, next_pow2(group), min(64, next_pow2(max_query_len * group)))
     block_q = block_m // group
     block_n = 64 if block_d <= 128 else 32
     query_start_loc = query_start_loc.contiguous()

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pyagent_triton.runtime import next_pow2
+
 __all__ = [
     "apply_token_bitmask_",
     "apply_token_bitmask_reference",
@@ -63,18 +65,18 @@ def _num_warps(tile: int) -> int:
 
 def _row_block(width: int) -> int:
     """The whole row in one tile."""
-    return triton.next_power_of_2(width)
+    return next_pow2(width)
 
 
 def _col_block(width: int) -> int:
     """A column tile for element-wise rows: the row, at most ``_MAX_TILE`` wide."""
-    return min(triton.next_power_of_2(width), _MAX_TILE)
+    return min(next_pow2(width), _MAX_TILE)
 
 
 def _head_tile(heads: int, width: int) -> tuple[int, int]:
     """``(BLOCK_H, BLOCK_D)``: all of ``width`` and as many heads as fit ``_MAX_TILE``."""
-    block_d = triton.next_power_of_2(width)
-    block_h = min(triton.next_power_of_2(heads), max(1, _MAX_TILE // block_d))
+    block_d = next_pow2(width)
+    block_h = min(next_pow2(heads), max(1, _MAX_TILE // block_d))
     return block_h, block_d
 
 

@@ -56,3 +56,10 @@ def usable(tensor) -> bool:
             stacklevel=3,
         )
     return False
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), for tile sizes. Plain
+    Python: ``triton.next_power_of_2`` goes through Triton's constexpr wrapper, which
+    costs several microseconds a call on every launch's host path."""
+    return 1 << max(0, int(n) - 1).bit_length()
