@@ -82,6 +82,22 @@ def tiny_checkpoint(arch: str, root: Path) -> str:
     return _cached_checkpoint(arch, str(root))
 
 
+def windowed_mistral_checkpoint(directory: Path, window: int = 6) -> str:
+    """A tiny Mistral whose sliding window (``window`` tokens) is shorter than the
+    prompts and outputs the tests use, saved to ``directory``."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=window, tie_word_embeddings=False))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory)
+    return str(directory)
+
+
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 

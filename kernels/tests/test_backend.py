@@ -9,7 +9,6 @@ import random
 import warnings
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -55,31 +54,15 @@ def _same(results, expected, tol=1e-4):
         assert logprobs == pytest.approx(want_logprobs, abs=tol)
 
 
-def _mistral_with_window(directory):
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    from tests.tiny_models import COMMON, save_tokenizer
-
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=6, tie_word_embeddings=False))
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(directory, safe_serialization=True)
-    save_tokenizer(directory)
-    return str(directory)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-window"])
 def test_greedy_matches_torch_backend_and_transformers(arch, tmp_path, kernel_calls):
     """Batched prompts of several lengths over blocks of 4 tokens, prefix caching on
     (the prompts share a prefix) and chunked prefill under an 8-token budget: a mix of
     fresh prefills, prefills over cached context, mixed steps and pure decodes."""
     from pyagent_framework import LLM
-    from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
+    from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint, windowed_mistral_checkpoint
 
-    path = _mistral_with_window(tmp_path) if arch == "mistral-window" else tiny_checkpoint(arch, tmp_path)
+    path = windowed_mistral_checkpoint(tmp_path) if arch == "mistral-window" else tiny_checkpoint(arch, tmp_path)
     rng = random.Random(0)
     shared = [rng.randrange(2, 300) for _ in range(9)]
     prompts = [shared + [rng.randrange(2, 300) for _ in range(n)] for n in (1, 6, 13)] + [[7]]

@@ -590,19 +590,10 @@ def test_engine_sliding_window_matches_transformers(tmp_path):
     (native backend and linears by default, and the torch backend) decodes transformers'
     greedy tokens, with chunked prefill under a small token budget too."""
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM, MistralConfig
-
     from pyagent_framework import LLM
-    from tests.tiny_models import COMMON, hf_greedy, hf_model, save_tokenizer
+    from tests.tiny_models import hf_greedy, hf_model, windowed_mistral_checkpoint
 
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=6, tie_word_embeddings=False))
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    save_tokenizer(tmp_path)
+    windowed_mistral_checkpoint(tmp_path, window=6)
 
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 9, 17, 30)]
