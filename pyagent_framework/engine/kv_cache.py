@@ -190,14 +190,16 @@ class BlockPool:
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """File the blocks of ``seq`` whose tokens are all computed (call after a step)."""
+    def cache_full_blocks(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """File the blocks of ``seq`` whose tokens are all computed (call after a step);
+        returns the ``(hash, block id)`` pairs this call filed."""
         if self.policy is None:
-            return
+            return []
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_ids))
         if full <= len(seq.block_hashes):
-            return  # nothing new to file (most decode steps)
+            return []  # nothing new to file (most decode steps)
+        filed = []
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -211,6 +213,8 @@ class BlockPool:
             self._hash_of[block] = digest
             self._tokens_of[block] = tokens
             self.policy.insert(block)
+            filed.append((digest, block))
+        return filed
 
     def _unfile(self, block: int) -> None:
         digest = self._hash_of.pop(block)

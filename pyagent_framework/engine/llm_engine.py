@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_cache import BlockPool
+from pyagent_framework.engine.kv_transfer import KVTransfer
 from pyagent_framework.engine.model_runner import ModelRunner, StepLogits
 from pyagent_framework.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -28,6 +30,9 @@ from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence, SequenceStatus
 from pyagent_framework.engine.structured import StructuredOutputManager
 from pyagent_framework.interfaces import layer_ops
+
+# kv_connector_config keys the engine reads itself (the rest go to the connector).
+KV_TRANSFER_OPTIONS = ("failure_threshold", "backoff_seconds", "max_pending_saves", "model_identity")
 
 logger = logging.getLogger("pyagent_framework.engine")
 
@@ -78,7 +83,7 @@ class LLMEngine:
         # Checked before the weights load, so a misspelt name fails fast.
         self.grammar_backend = self._check_grammar_backend(config.grammar_backend)
         grammar_cache_bytes = config.grammar_cache_bytes()
-        self._check_kv_connector(config.kv_connector)
+        connector_cls = self._kv_connector_class(config)
         policy_cls = None
         if config.enable_prefix_caching:
             policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
@@ -94,7 +99,8 @@ class LLMEngine:
         )
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = self._max_model_len(config)
-        self.kv_caches, num_blocks = self._allocate_kv_cache(config)
+        self.kv_cache, num_blocks = self._allocate_kv_cache(config)
+        self.kv_caches = list(self.kv_cache.unbind(0))  # one [2, blocks, ...] view per layer
         policy = None if policy_cls is None else policy_cls(num_blocks)
         # Blocks of one engine hold one model's keys/values; the key still marks whose.
         try:
@@ -107,8 +113,12 @@ class LLMEngine:
             )
         except ValueError as exc:
             raise ConfigError(str(exc), field="prefix_cache_hash") from None
+        self.kv_transfer = self._make_kv_transfer(config, connector_cls)
         self.scheduler = Scheduler(
-            self.pool, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+            self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_transfer=self.kv_transfer,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -152,16 +162,42 @@ class LLMEngine:
         return name
 
     @staticmethod
-    def _check_kv_connector(name: str | None) -> None:
-        if name is None:
-            return
-        loader.load_entry(registries.kv_connectors, name, "kv_connector")
-        # The name is real, but the scheduler and runner do not call connectors yet:
-        # refusing beats running without the offload or sharing the user asked for.
-        raise ConfigError(
-            f"kv_connector: {name!r} is registered, but this engine version does not drive KV connectors yet",
-            field="kv_connector",
-        )
+    def _kv_connector_class(config: EngineConfig):
+        """The connector's class, checked before the weights load."""
+        if config.kv_connector is None:
+            if config.kv_connector_config:
+                raise ConfigError("kv_connector_config is set but no kv_connector is", field="kv_connector_config")
+            return None
+        if not config.enable_prefix_caching:
+            raise ConfigError(
+                "kv_connector: a KV connector finds blocks by their prefix-cache hashes; enable prefix caching",
+                field="kv_connector",
+            )
+        return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
+
+    def _make_kv_transfer(self, config: EngineConfig, connector_cls) -> KVTransfer | None:
+        """The connector built from ``kv_connector_config`` (less the keys the engine
+        reads itself) inside a :class:`KVTransfer`; a rejected option is a ConfigError."""
+        if connector_cls is None:
+            return None
+        options = dict(config.kv_connector_config or {})
+        engine_options = {key: options.pop(key) for key in KV_TRANSFER_OPTIONS if key in options}
+        identity = engine_options.pop("model_identity", None)
+        if identity is None:
+            identity = loader.model_identity(self.model_path, self.model_config, config.dtype)
+        else:
+            identity = hashlib.sha256(str(identity).encode()).digest()
+        try:
+            connector = connector_cls(options)
+        except (TypeError, ValueError, OSError) as exc:
+            raise ConfigError(
+                f"kv_connector_config: connector {config.kv_connector!r} rejects {options}: {exc}",
+                field="kv_connector_config",
+            ) from None
+        try:
+            return KVTransfer(connector, self.kv_cache, model_identity=identity, role=config.kv_role, **engine_options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"kv_connector_config: {exc}", field="kv_connector_config") from None
 
     def _max_model_len(self, config: EngineConfig) -> int:
         native = self.model_config.get("max_position_embeddings")
@@ -171,7 +207,7 @@ class LLMEngine:
             return int(native)
         return config.max_model_len
 
-    def _allocate_kv_cache(self, config: EngineConfig) -> tuple[list[torch.Tensor], int]:
+    def _allocate_kv_cache(self, config: EngineConfig) -> tuple[torch.Tensor, int]:
         dtype = loader.torch_dtype(config.dtype)
         per_block = self.model.kv_cache_shape(1, config.block_size)
         bytes_per_block = math.prod(per_block) * torch.empty((), dtype=dtype).element_size()
@@ -188,7 +224,7 @@ class LLMEngine:
             )
         cache = torch.zeros(self.model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, cache.nbytes / 2**20)
-        return list(cache.unbind(0)), num_blocks
+        return cache, num_blocks
 
     def _chat_template(self, config: EngineConfig) -> str | None:
         name = config.chat_template
@@ -356,9 +392,12 @@ class LLMEngine:
                 )
             return failed
         logits = self.runner.execute(batch)
+        filed = []
         for seq, num_new in batch.items:
             seq.num_computed_tokens += num_new
-            self.pool.cache_full_blocks(seq)
+            filed += self.pool.cache_full_blocks(seq)
+        if self.kv_transfer is not None and filed:
+            self.kv_transfer.save(filed)
         now = time.time()
         self._record_prompt_logprobs(logits)
         if logits.sample_seqs:
@@ -554,4 +593,10 @@ class LLMEngine:
             "num_compiling": len(self.compiling),
             **self.pool.stats(),
             **self.structured.stats(),
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
         }
+
+    def close(self) -> None:
+        """Finish queued KV saves and release the connector (when there is one)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()

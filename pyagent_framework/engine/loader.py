@@ -123,6 +123,31 @@ def make_quantizer(name: str, options: dict[str, Any] | None):
         raise ConfigError(f"quantization_config: quantizer {name!r} rejects {options or {}}: {exc}", field="quantization_config") from None
 
 
+def model_identity(path: str, config: dict, dtype: str) -> bytes:
+    """32 bytes that name a model's weights wherever its files lie: sha256 over the
+    config, the compute dtype, and per weight file its name, size and 16 samples of
+    64 KiB spread over it (a fine-tune of the same architecture differs in them). It
+    marks KV blocks a connector stores, so an engine never loads another model's."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(b"pyagent-framework model identity v1\0")
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(dtype.encode() + b"\0")
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(
+        p for p in root.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+    )
+    for file in files:
+        size = file.stat().st_size
+        digest.update(file.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        with open(file, "rb") as handle:
+            for i in range(16):
+                handle.seek(max(0, size - 65536) * i // 15)
+                digest.update(handle.read(65536))
+    return digest.digest()
+
+
 def choose_weight_format(path: str, name: str | None):
     if name is not None:
         fmt = load_entry(registries.weight_formats, name, "weight_format")()

@@ -4,7 +4,8 @@ Each step gets a token budget (``max_num_batched_tokens``). Running sequences ar
 served first, in order: a decoding sequence needs one token, a sequence still in
 prefill gets as much of its remaining prompt as the budget allows (chunked prefill).
 Waiting sequences join while budget, ``max_num_seqs`` and free blocks allow, starting
-after the longest prefix the block pool has cached for them. When
+after the longest prefix the block pool has cached for them (then, with a KV
+connector, the blocks after it that the connector holds are loaded). When
 blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
 are freed and it waits to be recomputed from scratch (prompt plus what it generated).
 """
@@ -35,8 +36,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int, kv_transfer=None) -> None:
         self.pool = pool
+        self.kv_transfer = kv_transfer  # KVTransfer: loads prefix blocks a connector holds
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -83,6 +85,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 self.pool.match_prefix(seq)  # cached prefix blocks count as computed
+                if self.kv_transfer is not None:
+                    self.kv_transfer.load_prefix(seq, self.pool)  # then those a KV connector holds
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.pool.allocate(seq, seq.num_computed_tokens + num_new):
                     self.pool.free(seq)  # give shared prefix blocks back; retry next step
