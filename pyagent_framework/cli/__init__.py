@@ -137,7 +137,11 @@ def _build_llm(args: argparse.Namespace):
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    llm = _build_llm(args)
+    with _build_llm(args) as llm:
+        return _generate(llm, args)
+
+
+def _generate(llm, args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     prompts = args.prompt
     if args.chat:  # each prompt is one user turn, rendered with the chat template

@@ -207,6 +207,8 @@ class AsyncLLM:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()  # queued KV saves finish; the connector is released
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

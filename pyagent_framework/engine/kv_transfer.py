@@ -33,12 +33,14 @@ saves, any engine of the same model finds by hash.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import queue
 import struct
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,6 +210,7 @@ class KVTransfer:
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending_saves)
         self._saver: threading.Thread | None = None
         self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))  # queued saves are not lost at exit
 
     # ------------------------------------------------------------------ connector calls
 
@@ -365,3 +368,9 @@ class KVTransfer:
         out["kv_connector_breaker_opened"] = self.breaker.times_opened
         out["kv_connector_pending_saves"] = self._pending.unfinished_tasks
         return out
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    transfer = ref()
+    if transfer is not None:
+        transfer.close()

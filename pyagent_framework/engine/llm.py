@@ -30,6 +30,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finish queued KV-connector saves and release the connector (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
