@@ -25,6 +25,7 @@ from pyagent_framework.testing.kv import KVConnectorContract, MemoryConnector
 from tests.tiny_models import tiny_checkpoint
 
 LAYOUT = BlockLayout(2, 4, 2, 8, torch.float32, b"m" * 32)
+MODEL_FIELD = slice(28, 60)  # the model identity's bytes in the header
 KEY = bytes(range(32))
 
 
@@ -44,6 +45,7 @@ class TestMemoryConnector(KVConnectorContract):
 def test_a_block_round_trips_bit_for_bit():
     block = _block()
     value = encode_block(LAYOUT, KEY, block)
+    assert value[MODEL_FIELD] == LAYOUT.model_identity
     assert len(value) == HEADER_SIZE + LAYOUT.payload_size
     assert torch.equal(decode_block(LAYOUT, KEY, value), block)
 
@@ -241,18 +243,36 @@ def test_damaged_blocks_are_recomputed(path, memory, how, reason, monkeypatch):
     assert stats.get("kv_connector_loaded_blocks", 0) == 0
 
 
-def test_blocks_of_another_model_identity_are_refused(path, memory):
+def test_another_model_identity_finds_nothing(path, memory):
+    """Keys start from the weights' identity: an engine of another model looks up
+    other keys and computes everything itself."""
     prompts = _prompts()
     expected = _run(_engine(path), prompts)
     store: dict = {}
     first = _engine(path, store)
     _run(first, prompts)
     _flush(first)
-    # Same weights but a different identity: its blocks are another model's.
     other = _engine(path, None, kv_connector="memory-test",
                     kv_connector_config={"shared": store, "model_identity": "another-model"})
     _same(_run(other, prompts), expected)
-    assert other.engine.stats()["kv_connector_load_rejected_model"] >= 1
+    stats = other.engine.stats()
+    assert stats["kv_connector_lookup_blocks"] > 0 and stats.get("kv_connector_loaded_blocks", 0) == 0
+
+
+def test_a_block_labelled_with_another_model_is_refused(path, memory):
+    """A stored value whose header names another model (here rewritten in place; the
+    payload checksum still holds) is a counted miss."""
+    prompts = _prompts()
+    expected = _run(_engine(path), prompts)
+    store: dict = {}
+    first = _engine(path, store)
+    _run(first, prompts)
+    _flush(first)
+    for key, value in list(store.items()):
+        store[key] = value[:MODEL_FIELD.start] + b"\x07" * 32 + value[MODEL_FIELD.stop :]
+    second = _engine(path, store)
+    _same(_run(second, prompts), expected)
+    assert second.engine.stats()["kv_connector_load_rejected_model"] >= 1
 
 
 def test_an_unreachable_store_costs_misses_not_requests_and_is_retried(path, memory):

@@ -103,12 +103,15 @@ class LLMEngine:
         self.kv_caches = list(self.kv_cache.unbind(0))  # one [2, blocks, ...] view per layer
         policy = None if policy_cls is None else policy_cls(num_blocks)
         # Blocks of one engine hold one model's keys/values; the key still marks whose.
+        # With a KV connector, blocks are shared between engines wherever the files lie,
+        # so the hash chain starts from the weights' identity instead of their path.
+        self.model_identity = self._model_identity(config) if connector_cls is not None else None
         try:
             self.pool = BlockPool(
                 num_blocks,
                 config.block_size,
                 eviction_policy=policy,
-                model_key=self.model_path,
+                model_key=self.model_path if self.model_identity is None else self.model_identity.hex(),
                 hash_algorithm=config.prefix_cache_hash,
             )
         except ValueError as exc:
@@ -175,6 +178,14 @@ class LLMEngine:
             )
         return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
 
+    def _model_identity(self, config: EngineConfig) -> bytes:
+        """32 bytes naming the weights (``loader.model_identity``), or the digest of the
+        ``model_identity`` a user names in ``kv_connector_config``."""
+        named = (config.kv_connector_config or {}).get("model_identity")
+        if named is not None:
+            return hashlib.sha256(b"pyagent-framework named model\0" + str(named).encode()).digest()
+        return loader.model_identity(self.model_path, self.model_config, config.dtype)
+
     def _make_kv_transfer(self, config: EngineConfig, connector_cls) -> KVTransfer | None:
         """The connector built from ``kv_connector_config`` (less the keys the engine
         reads itself) inside a :class:`KVTransfer`; a rejected option is a ConfigError."""
@@ -182,11 +193,7 @@ class LLMEngine:
             return None
         options = dict(config.kv_connector_config or {})
         engine_options = {key: options.pop(key) for key in KV_TRANSFER_OPTIONS if key in options}
-        identity = engine_options.pop("model_identity", None)
-        if identity is None:
-            identity = loader.model_identity(self.model_path, self.model_config, config.dtype)
-        else:
-            identity = hashlib.sha256(str(identity).encode()).digest()
+        engine_options.pop("model_identity", None)  # read by _model_identity
         try:
             connector = connector_cls(options)
         except (TypeError, ValueError, OSError) as exc:
@@ -195,7 +202,9 @@ class LLMEngine:
                 field="kv_connector_config",
             ) from None
         try:
-            return KVTransfer(connector, self.kv_cache, model_identity=identity, role=config.kv_role, **engine_options)
+            return KVTransfer(
+                connector, self.kv_cache, model_identity=self.model_identity, role=config.kv_role, **engine_options
+            )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"kv_connector_config: {exc}", field="kv_connector_config") from None
 
