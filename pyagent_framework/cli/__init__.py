@@ -223,6 +223,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    import logging
+
+    from pyagent_framework.server.router import serve_router
+
+    logging.basicConfig(level="WARNING", format="%(levelname)s %(name)s: %(message)s")
+    serve_router(args.prefill, args.decode, host=args.host, port=args.port, timeout=args.timeout)
+    return 0
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -267,6 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p, skip=frozenset())
     add_config_flags(p, ServerConfig, "server")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "router", help="disaggregated prefill/decode: each request through a prefill then a decode instance"
+    )
+    p.add_argument("--prefill", required=True, help="URL of the prefill instance (pyagent serve --kv-role producer)")
+    p.add_argument("--decode", required=True, help="URL of the decode instance (pyagent serve --kv-role consumer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one instance may take to answer")
+    p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("plugin", help="plugin authoring tools")
     plugin_sub = p.add_subparsers(dest="plugin_command", required=True, metavar="ACTION")

@@ -33,6 +33,8 @@ from pyagent_framework.interfaces import layer_ops
 
 # kv_connector_config keys the engine reads itself (the rest go to the connector).
 KV_TRANSFER_OPTIONS = ("failure_threshold", "backoff_seconds", "max_pending_saves", "model_identity")
+# How long a producer (--kv-role producer) waits for a finished request's blocks to be saved.
+PRODUCER_FLUSH_SECONDS = 30.0
 
 logger = logging.getLogger("pyagent_framework.engine")
 
@@ -417,6 +419,11 @@ class LLMEngine:
             for seq, result in zip(logits.sample_seqs, results):
                 self._append_token(seq, result, now)
         touched = dict.fromkeys(seq.request_id for seq in logits.sample_seqs)
+        if self.kv_transfer is not None and self.kv_transfer.role == "producer":
+            # A prefill instance's answer tells a router the blocks are ready for the
+            # decode instance: a finished request waits for its saves.
+            if any(self.requests[r].finished for r in touched if r in self.requests):
+                self.kv_transfer.flush(timeout=PRODUCER_FLUSH_SECONDS)
         outputs = failed
         for request_id in touched:
             request = self.requests.get(request_id)

@@ -141,3 +141,15 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(stats.get(key, 0)))
             yield family
+        events = {
+            key.removeprefix("kv_connector_"): value
+            for key, value in stats.items()
+            if key.startswith("kv_connector_") and isinstance(value, (int, float)) and key != "kv_connector_pending_saves"
+        }
+        if events:  # with --kv-connector: blocks looked up/loaded/saved, failures, rejections by reason
+            family = CounterMetricFamily(
+                PREFIX + "kv_connector_events", "KV connector events by kind", labels=["model_name", "event"]
+            )
+            for event, value in sorted(events.items()):
+                family.add_metric([self.model_name, event], float(value))
+            yield family
