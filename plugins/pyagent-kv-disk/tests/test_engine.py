@@ -94,3 +94,26 @@ def test_a_block_labelled_with_another_model_is_refused(path, tmp_path):
         stats = other.engine.stats()
         assert stats.get("kv_connector_loaded_blocks", 0) == 0
         assert not any(k.startswith("kv_connector_load_rejected") for k in stats)
+
+
+def test_smollm2_second_engine_matches_and_loads(tmp_path):
+    """The embedded SmolLM2 (GGUF, its default quantization): a second engine on the
+    directory decodes the same greedy tokens from the loaded blocks."""
+    from pyagent_framework.engine.errors import ConfigError
+    from pyagent_framework.engine.loader import resolve_model
+
+    try:
+        resolve_model("smollm2")
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    question = [{"role": "user", "content": "Explain in two sentences what a KV cache is, and why it helps."}]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    with LLM(kv_cache_memory="256MiB", max_model_len=2048) as plain:
+        prompt = plain.encode_chat(question)
+        expected = plain.generate([prompt], params)[0].outputs[0].token_ids
+    config = {"kv_connector": "disk", "kv_connector_config": {"path": str(tmp_path)}, "kv_cache_memory": "256MiB", "max_model_len": 2048}
+    with LLM(**config) as first:
+        assert first.generate([prompt], params)[0].outputs[0].token_ids == expected
+    with LLM(**config) as second:
+        assert second.generate([prompt], params)[0].outputs[0].token_ids == expected
+        assert second.engine.stats()["kv_connector_loaded_blocks"] >= len(prompt) // 16 - 1
