@@ -176,6 +176,18 @@ def _flush(llm):
     assert llm.engine.kv_transfer.flush(timeout=10)
 
 
+def _stored_by_a_first_engine(path):
+    """Prompts, their greedy results without a connector, and a store a first engine
+    filled with their blocks."""
+    prompts = _prompts()
+    expected = _run(_engine(path), prompts)
+    store: dict = {}
+    first = _engine(path, store)
+    _same(_run(first, prompts), expected)
+    _flush(first)
+    return prompts, expected, store
+
+
 def test_a_second_engine_loads_the_prefix_the_first_computed(path, memory):
     prompts = _prompts()
     expected = _run(_engine(path), prompts)
@@ -228,12 +240,7 @@ def _damage(store, how):
 
 @pytest.mark.parametrize("how, reason", [("flip", "checksum"), ("truncate", "truncated"), ("pickle", "format")])
 def test_damaged_blocks_are_recomputed(path, memory, how, reason, monkeypatch):
-    prompts = _prompts()
-    expected = _run(_engine(path), prompts)
-    store: dict = {}
-    first = _engine(path, store)
-    _run(first, prompts)
-    _flush(first)
+    prompts, expected, store = _stored_by_a_first_engine(path)
     _damage(store, how)
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
     second = _engine(path, store)
@@ -246,12 +253,7 @@ def test_damaged_blocks_are_recomputed(path, memory, how, reason, monkeypatch):
 def test_another_model_identity_finds_nothing(path, memory):
     """Keys start from the weights' identity: an engine of another model looks up
     other keys and computes everything itself."""
-    prompts = _prompts()
-    expected = _run(_engine(path), prompts)
-    store: dict = {}
-    first = _engine(path, store)
-    _run(first, prompts)
-    _flush(first)
+    prompts, expected, store = _stored_by_a_first_engine(path)
     other = _engine(path, None, kv_connector="memory-test",
                     kv_connector_config={"shared": store, "model_identity": "another-model"})
     _same(_run(other, prompts), expected)
@@ -262,12 +264,7 @@ def test_another_model_identity_finds_nothing(path, memory):
 def test_a_block_labelled_with_another_model_is_refused(path, memory):
     """A stored value whose header names another model (here rewritten in place; the
     payload checksum still holds) is a counted miss."""
-    prompts = _prompts()
-    expected = _run(_engine(path), prompts)
-    store: dict = {}
-    first = _engine(path, store)
-    _run(first, prompts)
-    _flush(first)
+    prompts, expected, store = _stored_by_a_first_engine(path)
     for key, value in list(store.items()):
         store[key] = value[:MODEL_FIELD.start] + b"\x07" * 32 + value[MODEL_FIELD.stop :]
     second = _engine(path, store)
