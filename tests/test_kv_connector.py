@@ -261,6 +261,16 @@ def test_another_model_identity_finds_nothing(path, memory):
     assert stats["kv_connector_lookup_blocks"] > 0 and stats.get("kv_connector_loaded_blocks", 0) == 0
 
 
+def test_the_same_weights_in_another_dtype_are_another_model(path, memory):
+    """The identity covers how the engine computes (dtype, quantization): blocks of a
+    float32 engine are not offered to a bfloat16 one."""
+    prompts, _, store = _stored_by_a_first_engine(path)
+    other = _engine(path, store, dtype="bfloat16")
+    other.generate(prompts, GREEDY)
+    stats = other.engine.stats()
+    assert stats["kv_connector_lookup_blocks"] > 0 and stats.get("kv_connector_loaded_blocks", 0) == 0
+
+
 def test_a_block_labelled_with_another_model_is_refused(path, memory):
     """A stored value whose header names another model (here rewritten in place; the
     payload checksum still holds) is a counted miss."""
@@ -328,3 +338,26 @@ def test_bad_connector_options_name_the_field(path, memory, args, field):
     with pytest.raises(ConfigError) as info:
         LLM(path, kv_cache_memory="16MiB", **args)
     assert info.value.field == field
+
+
+def test_a_slow_store_drops_saves_instead_of_holding_the_engine(path, memory):
+    """At most max_pending_saves blocks wait as copies; the rest are dropped and
+    counted, and the engine's outputs and pace do not depend on the store."""
+    import threading
+
+    prompts = _prompts()
+    expected = _run(_engine(path), prompts)
+    store: dict = {}
+    llm = _engine(path, None, kv_connector="memory-test", kv_connector_config={"shared": store, "max_pending_saves": 3})
+    connector = llm.engine.kv_transfer.connector
+    release = threading.Event()
+    original = connector.put
+    connector.put = lambda items: (release.wait(30), original(items))[1]
+    _same(_run(llm, prompts), expected)  # returns while the store is stuck
+    stats = llm.engine.stats()
+    assert stats["kv_connector_save_dropped"] > 0
+    assert 0 < stats["kv_connector_pending_saves"] <= 3
+    release.set()
+    _flush(llm)
+    assert llm.engine.stats()["kv_connector_pending_saves"] == 0
+    assert 0 < len(store) <= 3

@@ -18,9 +18,10 @@ Everything else is done here, once for every store:
   last good one. A block that fails is recomputed, like any miss.
 - **Worker side** (:meth:`KVTransfer.save`): blocks the engine files after a step are
   copied out of the cache (on the engine thread, before they can be reused) and
-  framed and ``put`` by a background thread, off the engine loop. The queue is
-  bounded: when the store cannot keep up, saves are dropped and counted, the engine
-  never waits.
+  framed and ``put`` by a background thread, off the engine loop. At most
+  ``max_pending_saves`` blocks wait as copies: when the store cannot keep up, saves
+  are dropped and counted, the engine never waits (except a ``producer``'s finished
+  request, whose answer says its blocks are stored).
 - **Faults**: a connector call that raises counts as a failure of its kind (its
   blocks are misses); after ``failure_threshold`` consecutive failures the connector
   is left alone for ``backoff_seconds`` (circuit breaker), then tried again.
@@ -207,7 +208,9 @@ class KVTransfer:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # counts and _stored: the engine and the saver thread
         self._stored: OrderedDict[bytes, None] = OrderedDict()  # keys known to be in the store (bounded)
-        self._pending: queue.Queue = queue.Queue(maxsize=max_pending_saves)
+        self._pending: queue.Queue = queue.Queue()
+        self._max_pending_blocks = max_pending_saves  # copies waiting to be saved, in blocks
+        self._pending_blocks = 0
         self._saver: threading.Thread | None = None
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))  # queued saves are not lost at exit
@@ -294,15 +297,20 @@ class KVTransfer:
         if not self.breaker.allow():
             self._count("save_skipped", len(todo))
             return
+        with self._lock:  # the copies wait in memory: at most max_pending_saves blocks of them
+            room = self._max_pending_blocks - self._pending_blocks
+            dropped, todo = todo[max(0, room):], todo[: max(0, room)]
+            self._pending_blocks += len(todo)
+            if dropped:
+                self.counts["save_dropped"] += len(dropped)
+        if not todo:
+            return
         index = torch.tensor([block for _, block in todo], device=self.kv_cache.device)
         copies = self.kv_cache.index_select(2, index).movedim(2, 0).to("cpu")  # [n, layers, 2, bs, kvh, d]
         if self._saver is None:
             self._saver = threading.Thread(target=self._save_loop, name="pyagent-kv-saver", daemon=True)
             self._saver.start()
-        try:
-            self._pending.put_nowait(([key for key, _ in todo], copies))
-        except queue.Full:
-            self._count("save_dropped", len(todo))
+        self._pending.put(([key for key, _ in todo], copies))
 
     def _save_loop(self) -> None:
         while True:
@@ -321,6 +329,9 @@ class KVTransfer:
                 logger.exception("kv connector: saving blocks failed")
                 self._count("save_failures")
             finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending_blocks -= len(item[0])
                 self._pending.task_done()
 
     def _remember(self, key: bytes) -> None:
@@ -366,7 +377,7 @@ class KVTransfer:
         with self._lock:
             out.update({f"kv_connector_{name}": count for name, count in sorted(self.counts.items())})
         out["kv_connector_breaker_opened"] = self.breaker.times_opened
-        out["kv_connector_pending_saves"] = self._pending.unfinished_tasks
+        out["kv_connector_pending_saves"] = self._pending_blocks
         return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import logging
 import math
 import time
@@ -181,12 +182,16 @@ class LLMEngine:
         return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
 
     def _model_identity(self, config: EngineConfig) -> bytes:
-        """32 bytes naming the weights (``loader.model_identity``), or the digest of the
-        ``model_identity`` a user names in ``kv_connector_config``."""
+        """32 bytes naming the weights as this engine computes with them (dtype and
+        quantization included; ``loader.model_identity``), or the digest of the
+        ``model_identity`` a user names in ``kv_connector_config``. The attention
+        backend is left out: backends agree to float rounding."""
         named = (config.kv_connector_config or {}).get("model_identity")
         if named is not None:
             return hashlib.sha256(b"pyagent-framework named model\0" + str(named).encode()).digest()
-        return loader.model_identity(self.model_path, self.model_config, config.dtype)
+        options = json.dumps(config.quantization_config or {}, sort_keys=True, default=str)
+        variant = f"dtype={config.dtype} quantization={self.quantization} options={options}"
+        return loader.model_identity(self.model_path, self.model_config, variant)
 
     def _make_kv_transfer(self, config: EngineConfig, connector_cls) -> KVTransfer | None:
         """The connector built from ``kv_connector_config`` (less the keys the engine

@@ -123,17 +123,18 @@ def make_quantizer(name: str, options: dict[str, Any] | None):
         raise ConfigError(f"quantization_config: quantizer {name!r} rejects {options or {}}: {exc}", field="quantization_config") from None
 
 
-def model_identity(path: str, config: dict, dtype: str) -> bytes:
+def model_identity(path: str, config: dict, variant: str) -> bytes:
     """32 bytes that name a model's weights wherever its files lie: sha256 over the
-    config, the compute dtype, and per weight file its name, size and 16 samples of
-    64 KiB spread over it (a fine-tune of the same architecture differs in them). It
-    marks KV blocks a connector stores, so an engine never loads another model's."""
+    config, ``variant`` (what else changes the numbers: the compute dtype, the
+    quantization and its options), and per weight file its name, size and 16 samples
+    of 64 KiB spread over it (a fine-tune of the same architecture differs in them).
+    It marks KV blocks a connector stores, so an engine never loads another model's."""
     import hashlib
     import json
 
     digest = hashlib.sha256(b"pyagent-framework model identity v1\0")
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(dtype.encode() + b"\0")
+    digest.update(variant.encode() + b"\0")
     root = Path(path)
     files = [root] if root.is_file() else sorted(
         p for p in root.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt", ".pth")
