@@ -156,6 +156,19 @@ def pyagent_register_eviction_policies(register):
 
 
 @hookspec
+def pyagent_register_proposers(register):
+    """Register speculative-decoding proposers.
+
+    Called once per process on first use of ``registries.proposers``. Each entry is a
+    class satisfying :class:`pyagent_framework.interfaces.Proposer`, built as
+    ``cls(config)`` from the ``--speculative-config`` mapping; each step it drafts
+    tokens for the decoding sequences, which the engine verifies exactly (greedy:
+    longest agreeing prefix; sampled: rejection sampling). Selected by
+    ``--speculative-method NAME``.
+    """
+
+
+@hookspec
 def pyagent_register_chat_templates(register):
     """Register named chat templates.
 

@@ -27,6 +27,7 @@ grammar_backends = _registry("grammar_backend", interfaces.GrammarBackend)
 kv_connectors = _registry("kv_connector", interfaces.KVConnector)
 eviction_policies = _registry("eviction_policy", interfaces.EvictionPolicy)
 chat_templates = _registry("chat_template", interfaces.ChatTemplateSource)
+proposers = _registry("proposer", interfaces.Proposer)
 
 #: Plural name (as in ``pyagent_register_<plural>``) -> registry.
 REGISTRIES: dict[str, Registry] = {
@@ -41,6 +42,7 @@ REGISTRIES: dict[str, Registry] = {
     "kv_connectors": kv_connectors,
     "eviction_policies": eviction_policies,
     "chat_templates": chat_templates,
+    "proposers": proposers,
 }
 
 #: Singular kind name ("tool_parser") -> registry.

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from collections.abc import Sequence
+
     import torch
 
 # --------------------------------------------------------------------------- attention
@@ -148,3 +150,27 @@ class ReasoningSplit:
 
     reasoning_content: str | None
     content: str | None
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+
+@dataclass
+class DraftRequest:
+    """One decoding sequence a proposer may draft for: ``token_ids`` is its prompt
+    then output so far (read-only), ``max_tokens`` the most draft tokens wanted."""
+
+    seq_id: int
+    token_ids: "Sequence[int]"
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class Draft:
+    """Proposed continuation: ``tokens`` (at most the request's ``max_tokens``) and,
+    optionally, ``probs`` ``[len(tokens), vocab]``: the distribution each was drawn
+    from (None: the proposer chose them deterministically, a one-hot draft)."""
+
+    tokens: list[int]
+    probs: Any = None

@@ -12,6 +12,7 @@ from pyagent_framework.interfaces.eviction import EvictionPolicy
 from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher
 from pyagent_framework.interfaces.kv_connector import KVConnector
 from pyagent_framework.interfaces.model import ModelArchitecture
+from pyagent_framework.interfaces.proposer import Proposer
 from pyagent_framework.interfaces.quantizer import PackedWeight, Quantizer
 from pyagent_framework.interfaces.reasoning_parser import ReasoningParser
 from pyagent_framework.interfaces.tokenizer import Tokenizer
@@ -28,6 +29,7 @@ __all__ = [
     "LayerOps",
     "ModelArchitecture",
     "PackedWeight",
+    "Proposer",
     "Quantizer",
     "ReasoningParser",
     "Tokenizer",
