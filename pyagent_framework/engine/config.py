@@ -95,6 +95,9 @@ class EngineConfig:
     kv_connector: str | None = attrs.field(default=None, metadata={"help": "KV connector (registry name, e.g. disk, redis): save computed KV blocks to a store and load them on a later prefix hit, in this or another engine"})
     kv_connector_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("kv_connector_config", v), metadata={"help": "the connector's options as JSON, e.g. '{\"path\": \"/tmp/kv\"}'; the engine itself reads failure_threshold, backoff_seconds, max_pending_saves and model_identity"})
     kv_role: str = attrs.field(default="both", validator=lambda _, a, v: _one_of(a, v, ("producer", "consumer", "both")), metadata={"help": "what this engine does with the KV connector: producer (saves), consumer (loads) or both"})
+    speculative_method: str | None = attrs.field(default=None, metadata={"help": "speculative decoding: a proposer name (ngram, suffix, ...); drafts are verified exactly"})
+    num_speculative_tokens: int = attrs.field(default=5, validator=_positive, metadata={"help": "most draft tokens per sequence and step"})
+    speculative_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("speculative_config", v), metadata={"help": "the proposer's options as JSON, e.g. '{\"n_max\": 4}'"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
 

@@ -154,6 +154,19 @@ class BlockPool:
         seq.block_ids = []
         seq.block_hashes = []
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those ``seq``'s tokens need (blocks that held only
+        a rejected speculative draft's keys; never filed, so they go to the free list)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        while len(seq.block_ids) > keep:
+            block = seq.block_ids.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self.policy.release(block)
+                else:
+                    self._free.append(block)
+
     # ------------------------------------------------------------------ prefix cache
 
     def match_prefix(self, seq: Sequence) -> int:

@@ -29,6 +29,7 @@ from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.engine.sampler import SampleResult, Sampler, top_logprobs
 from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence, SequenceStatus
+from pyagent_framework.engine.speculative import SpeculativeDecoder
 from pyagent_framework.engine.structured import StructuredOutputManager
 from pyagent_framework.interfaces import layer_ops
 
@@ -120,11 +121,14 @@ class LLMEngine:
         except ValueError as exc:
             raise ConfigError(str(exc), field="prefix_cache_hash") from None
         self.kv_transfer = self._make_kv_transfer(config, connector_cls)
+        self.speculator = self._make_speculator(config)
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             kv_transfer=self.kv_transfer,
+            speculator=self.speculator,
+            max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -180,6 +184,27 @@ class LLMEngine:
                 field="kv_connector",
             )
         return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
+
+    @staticmethod
+    def _make_speculator(config: EngineConfig) -> SpeculativeDecoder | None:
+        """The proposer named by ``speculative_method``, built from ``speculative_config``."""
+        if config.speculative_method is None:
+            if config.speculative_config:
+                raise ConfigError("speculative_config is set but no speculative_method is", field="speculative_config")
+            return None
+        cls = loader.load_entry(registries.proposers, config.speculative_method, "speculative_method")
+        options = dict(config.speculative_config or {})
+        try:
+            proposer = cls(options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"speculative_config: proposer {config.speculative_method!r} rejects {options}: {exc}",
+                field="speculative_config",
+            ) from None
+        try:
+            return SpeculativeDecoder(proposer, config.num_speculative_tokens, seed=config.seed)
+        except ValueError as exc:
+            raise ConfigError(str(exc), field="num_speculative_tokens") from None
 
     def _model_identity(self, config: EngineConfig) -> bytes:
         """32 bytes naming the weights as this engine computes with them (dtype and
@@ -398,6 +423,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         failed = self._start_compiled() if self.compiling else []
         batch = self.scheduler.schedule()
         self.num_preemptions += batch.num_preempted
@@ -407,9 +433,13 @@ class LLMEngine:
                     [r.grammar for r in self.compiling], GRAMMAR_POLL_SECONDS, concurrent.futures.FIRST_COMPLETED
                 )
             return failed
+        decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         logits = self.runner.execute(batch)
-        filed = []
+        filed, drafts = [], {}
         for seq, num_new in batch.items:
+            if seq.spec_tokens:  # the draft leaves the sequence until verified
+                drafts[seq.seq_id] = self.speculator.take_back(seq)
+                num_new -= len(drafts[seq.seq_id][0])
             seq.num_computed_tokens += num_new
             filed += self.pool.cache_full_blocks(seq)
         if self.kv_transfer is not None and filed:
@@ -423,7 +453,13 @@ class LLMEngine:
             results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
             for seq, result in zip(logits.sample_seqs, results):
                 self._append_token(seq, result, now)
+        if drafts:
+            self._accept_drafts(batch, logits, drafts, now)
+        if self.speculator is not None and decode_step:
+            # A decode step's time, drafting and verifying included, prices a scored row.
+            self.speculator.observe_step(time.perf_counter() - started, batch.num_tokens, len(batch.items))
         touched = dict.fromkeys(seq.request_id for seq in logits.sample_seqs)
+        touched.update(dict.fromkeys(seq.request_id for seq, _ in batch.items if seq.seq_id in drafts))
         if self.kv_transfer is not None and self.kv_transfer.role == "producer":
             # A prefill instance's answer tells a router the blocks are ready for the
             # decode instance: a finished request waits for its saves.
@@ -438,6 +474,24 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _accept_drafts(self, batch, logits: StepLogits, drafts: dict, now: float) -> None:
+        """Append the verified tokens of every drafted sequence (see
+        :mod:`pyagent_framework.engine.speculative`): the kept draft tokens count as
+        computed, the blocks only a rejected draft used go back to the pool."""
+        for seq, _ in batch.items:
+            if seq.seq_id not in drafts:
+                continue
+            draft, probs = drafts[seq.seq_id]
+            emitted = self.speculator.verify(seq, logits.spec_rows[seq.seq_id], draft, probs)
+            for i, token in enumerate(emitted):
+                self._append_token(seq, SampleResult(token), now)
+                if seq.is_finished:
+                    break
+                if i < len(emitted) - 1:  # a kept draft token: its keys/values are in the cache
+                    seq.num_computed_tokens += 1
+            if not seq.is_finished:
+                self.pool.trim(seq)
 
     def _start_compiled(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar is ready (each sequence gets its own
@@ -561,6 +615,8 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         seq.finish_time = now
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = []
@@ -615,6 +671,7 @@ class LLMEngine:
             **self.pool.stats(),
             **self.structured.stats(),
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def close(self) -> None:

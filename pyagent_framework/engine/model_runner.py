@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,9 @@ class StepLogits:
     sample_seqs: list[Sequence]
     sample_logits: torch.Tensor | None
     prompt_rows: dict[int, tuple[int, torch.Tensor]]
+    # Sequences carrying a speculative draft: seq_id -> logits [1 + len(draft), vocab] at
+    # its pending token and each draft token (they are not in sample_seqs).
+    spec_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -36,6 +39,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         input_ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         sample_rows, sample_seqs = [], []
+        spec_spans: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, rows)
         prompt_spans: dict[int, tuple[int, int, int]] = {}  # seq_id -> (row0, first pos, count)
         max_blocks = max(len(seq.block_ids) for seq, _ in batch.items)
         for seq, num_new in batch.items:
@@ -49,13 +53,26 @@ class ModelRunner:
             starts.append(row0 + num_new)
             seq_lens.append(end)
             tables.append(seq.block_ids + [-1] * (max_blocks - len(seq.block_ids)))
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.spec_tokens:
+                rows = len(seq.spec_tokens) + 1
+                spec_spans[seq.seq_id] = (row0 + num_new - rows, rows)
+            elif end == seq.num_tokens:
                 sample_rows.append(row0 + num_new - 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None and begin < seq.num_prompt_tokens - 1:
                 last = min(end, seq.num_prompt_tokens - 1)  # position whose next token is still prompt
                 prompt_spans[seq.seq_id] = (row0, begin, last - begin)
 
+        if spec_spans and all(n == 1 or seq.spec_tokens for seq, n in batch.items):
+            # Decodes and drafts only: every token becomes a one-token "sequence" of its
+            # own, as long as its position + 1, reading its sequence's blocks. The step
+            # is then a pure decode for the attention backends (batched decode kernels,
+            # fused decode steps), and each draft token attends exactly what it would
+            # had it been decoded alone.
+            per_token = [n for _, n in batch.items]
+            tables = [table for table, n in zip(tables, per_token) for _ in range(n)]
+            seq_lens = (torch.cat(positions) + 1).tolist()
+            starts = list(range(len(input_ids) + 1))
         to_device = self._to_device
         metadata = AttentionMetadata(
             slot_mapping=to_device(torch.cat(slots)),
@@ -63,7 +80,7 @@ class ModelRunner:
             seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
             block_tables=to_device(torch.tensor(tables, dtype=torch.int32)),
             block_size=self.block_size,
-            max_query_len=max(n for _, n in batch.items),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
         )
         hidden = self.model(
@@ -76,7 +93,13 @@ class ModelRunner:
             seq_id: (first, self.model.compute_logits(hidden[row0 : row0 + count]))
             for seq_id, (row0, first, count) in prompt_spans.items()
         }
-        return StepLogits(sample_seqs, sample_logits, prompt_rows)
+        spec_rows = {}
+        if spec_spans:  # one head matmul for every draft row of the batch
+            index = torch.cat([torch.arange(first, first + rows) for first, rows in spec_spans.values()])
+            drafted = self.model.compute_logits(hidden[index.to(hidden.device)])
+            sizes = [rows for _, rows in spec_spans.values()]
+            spec_rows = dict(zip(spec_spans, drafted.split(sizes)))
+        return StepLogits(sample_seqs, sample_logits, prompt_rows, spec_rows)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

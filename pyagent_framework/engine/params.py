@@ -178,6 +178,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
+    speculative: bool = True  # False: never draft for this request (with --speculative-method)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -193,6 +194,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Check every field; raise :class:`InvalidRequestError` naming the first bad one."""
         _int("n", self.n, low=1, high=MAX_N)
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError(f"speculative must be true or false, got {self.speculative!r}", param="speculative")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, low=1)
         _int("min_tokens", self.min_tokens, low=0)

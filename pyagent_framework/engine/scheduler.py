@@ -36,9 +36,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int, kv_transfer=None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_transfer=None,
+        speculator=None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.pool = pool
         self.kv_transfer = kv_transfer  # KVTransfer: loads prefix blocks a connector holds
+        self.speculator = speculator  # SpeculativeDecoder: drafts tokens for decoding sequences
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -64,12 +75,21 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        if self.speculator is not None:
+            self.speculator.draft(self.running, self.max_model_len)
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_tokens and num_new < seq.num_tokens - seq.num_computed_tokens:
+                self.speculator.cut(seq, num_new - 1)  # a draft is scored whole or not at all
+                num_new = seq.num_tokens - seq.num_computed_tokens
             while not self.pool.allocate(seq, seq.num_computed_tokens + num_new):
+                if seq.spec_tokens:  # drop the guesses before preempting anyone
+                    num_new -= len(seq.spec_tokens)
+                    self.speculator.cut(seq, 0)
+                    continue
                 victim = self._preemption_victim(scheduled)
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -80,6 +100,10 @@ class Scheduler:
                 scheduled.add(seq.seq_id)
                 budget -= num_new
                 index += 1
+
+        for seq in self.running[index:]:  # not scheduled this step: no draft either
+            if seq.spec_tokens:
+                self.speculator.cut(seq, 0)
 
         if batch.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -108,6 +132,8 @@ class Scheduler:
         return max(candidates, key=Sequence.sort_key)
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.spec_tokens:
+            self.speculator.cut(seq, 0)
         self.running.remove(seq)
         self.pool.free(seq)
         seq.num_computed_tokens = 0

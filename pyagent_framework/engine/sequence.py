@@ -58,6 +58,8 @@ class Sequence:
     detokenizer: Any = None
     matcher: Any = None  # GrammarMatcher of a structured-output request
     reasoning_end: Any = None  # while set, the model reasons unconstrained; see LLMEngine.add_request
+    spec_tokens: list[int] = field(default_factory=list)  # this step's draft, appended to token_ids
+    spec_probs: Any = None  # the draft's distribution [len(spec_tokens), vocab], or None (one-hot)
 
     @property
     def num_tokens(self) -> int:

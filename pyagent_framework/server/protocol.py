@@ -88,6 +88,7 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
+    speculative: bool = True  # false: no speculative drafts for this request
     response_format: ResponseFormat | None = None
     # vLLM's extra: exactly one of json, json_object, regex, choice, grammar; optional backend
     structured_outputs: dict[str, Any] | None = None

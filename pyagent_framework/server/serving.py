@@ -120,6 +120,7 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             priority=req.priority,
+            speculative=req.speculative,
         )
         try:
             params.validate(self.core.vocab_size)
