@@ -97,6 +97,7 @@ class EngineConfig:
     kv_role: str = attrs.field(default="both", validator=lambda _, a, v: _one_of(a, v, ("producer", "consumer", "both")), metadata={"help": "what this engine does with the KV connector: producer (saves), consumer (loads) or both"})
     speculative_method: str | None = attrs.field(default=None, metadata={"help": "speculative decoding: a proposer name (ngram, suffix, ...); drafts are verified exactly"})
     num_speculative_tokens: int = attrs.field(default=5, validator=_positive, metadata={"help": "most draft tokens per sequence and step"})
+    speculative_model: str | None = attrs.field(default=None, metadata={"help": "the draft model for speculative_method draft_model (the default method when this is set)"})
     speculative_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("speculative_config", v), metadata={"help": "the proposer's options as JSON, e.g. '{\"n_max\": 4}'"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})

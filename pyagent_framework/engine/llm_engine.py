@@ -188,17 +188,22 @@ class LLMEngine:
     @staticmethod
     def _make_speculator(config: EngineConfig) -> SpeculativeDecoder | None:
         """The proposer named by ``speculative_method``, built from ``speculative_config``."""
-        if config.speculative_method is None:
+        method = config.speculative_method
+        if method is None and config.speculative_model is not None:
+            method = "draft_model"
+        if method is None:
             if config.speculative_config:
                 raise ConfigError("speculative_config is set but no speculative_method is", field="speculative_config")
             return None
-        cls = loader.load_entry(registries.proposers, config.speculative_method, "speculative_method")
+        cls = loader.load_entry(registries.proposers, method, "speculative_method")
         options = dict(config.speculative_config or {})
+        if config.speculative_model is not None:
+            options.setdefault("model", config.speculative_model)
         try:
             proposer = cls(options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"speculative_config: proposer {config.speculative_method!r} rejects {options}: {exc}",
+                f"speculative_config: proposer {method!r} rejects {options}: {exc}",
                 field="speculative_config",
             ) from None
         try:

@@ -2,7 +2,7 @@
 
     .venv/bin/python plugins/pyagent-spec/benchmarks/propose_timing.py
 """
-import itertools, random, statistics, sys, time, tracemalloc, gc
+import itertools, random, statistics, time, tracemalloc, gc
 from pyagent_framework.types import DraftRequest as R
 from pyagent_spec.ngram import NgramProposer
 from pyagent_spec.suffix import SuffixProposer

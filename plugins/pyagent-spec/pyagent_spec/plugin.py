@@ -23,3 +23,8 @@ def pyagent_register_proposers(register):
         "pyagent_spec.suffix:SuffixProposer",
         description="suffix decoding: frequency-guided drafts from the request's context and recent outputs",
     )
+    register(
+        "draft_model",
+        "pyagent_spec.draft_model:DraftModelProposer",
+        description="a smaller model of the same tokenizer drafts greedily, in an engine of its own",
+    )

@@ -63,3 +63,35 @@ def test_smollm2_outputs_are_unchanged(always_draft):
         with LLM(speculative_method=method, **common) as llm:
             assert _tokens(llm, prompts, 40) == expected, method
             assert llm.engine.stats()["spec_accepted_tokens"] > 0, method
+
+
+def test_draft_model_outputs_are_unchanged(tmp_path, always_draft):
+    """Tiny random models sharing a tokenizer: a Qwen2 drafts for a Llama (few guesses
+    kept, outputs unchanged), and the Llama drafting for itself has every guess kept."""
+    from tests.tiny_models import tiny_checkpoint
+
+    target, draft = tiny_checkpoint("llama", tmp_path), tiny_checkpoint("qwen2", tmp_path)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 9, 17, 30)]
+    common = dict(kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=16)
+    expected = _tokens(LLM(target, **common), prompts, 16)
+
+    other = LLM(target, speculative_model=draft, num_speculative_tokens=3,
+                speculative_config={"kv_cache_memory": "16MiB"}, **common)
+    assert _tokens(other, prompts, 16) == expected
+    assert other.engine.stats()["spec_drafted_tokens"] > 0
+
+    itself = LLM(target, speculative_method="draft_model", num_speculative_tokens=3,
+                 speculative_config={"model": target, "kv_cache_memory": "16MiB"}, **common)
+    assert _tokens(itself, prompts, 16) == expected
+    stats = itself.engine.stats()
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_mean_accepted_length"] > 1
+
+
+def test_draft_model_needs_a_model(tmp_path):
+    from pyagent_framework.engine.errors import ConfigError
+    from tests.tiny_models import tiny_checkpoint
+
+    with pytest.raises(ConfigError, match="model") as info:
+        LLM(tiny_checkpoint("llama", tmp_path), kv_cache_memory="16MiB", speculative_method="draft_model")
+    assert info.value.field == "speculative_config"
