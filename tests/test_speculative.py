@@ -219,3 +219,26 @@ def test_draft_length_follows_acceptance_and_row_cost():
     assert spec._worth(1) == 8  # cheap rows: the whole k
     spec.observe_step(0.012, 1, 1)  # too few steps to fit: the estimate stays
     assert spec.row_cost == 0.01
+
+
+@pytest.mark.parametrize("wrong_every", [0, 2])
+def test_a_grammar_masks_every_draft_position_and_rolls_back(path, plain, wrong_every):
+    """Structured outputs take part: the matcher is walked along the draft to mask each
+    position, then rolled back; outputs equal the plain engine's, and stay valid."""
+    if not len(registries.grammar_backends):
+        pytest.skip("no grammar backend installed")
+    from pyagent_framework.engine.params import StructuredOutputsParams
+
+    prompts, _ = plain
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{4,30}\.")
+    )
+    want = [o.outputs[0] for o in _engine(path).generate(prompts, params)]
+    answers = [p + w.token_ids for p, w in zip(prompts, want)]
+    llm = _engine(path, speculative_method="oracle-test", num_speculative_tokens=4,
+                  speculative_config={"answers": answers, "wrong_every": wrong_every})
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(g.text == w.text for g, w in zip(got, want))
+    stats = llm.engine.stats()
+    assert stats["spec_accepted_tokens"] > 0

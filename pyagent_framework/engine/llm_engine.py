@@ -488,7 +488,15 @@ class LLMEngine:
             if seq.seq_id not in drafts:
                 continue
             draft, probs = drafts[seq.seq_id]
-            emitted = self.speculator.verify(seq, logits.spec_rows[seq.seq_id], draft, probs)
+            rows = logits.spec_rows[seq.seq_id]
+            if seq.matcher is not None and seq.reasoning_end is None:
+                rows = rows.float().clone()
+                kept = self.speculator.mask_for_grammar(
+                    seq, rows, draft, lambda row, matchers: self.structured.apply_masks(row, matchers, self.layer_ops)
+                )
+                rows, probs = rows[: len(kept) + 1], None if probs is None else probs[: len(kept)]
+                draft = kept
+            emitted = self.speculator.verify(seq, rows, draft, probs)
             for i, token in enumerate(emitted):
                 self._append_token(seq, SampleResult(token), now)
                 if seq.is_finished:

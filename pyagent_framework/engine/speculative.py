@@ -22,10 +22,13 @@ draft tokens as computed (their keys and values are already in the cache) and gi
 back the blocks that only held rejected ones.
 
 Which requests take part: those with ``speculative`` on (the default) and none of
-logprobs, penalties, ``logit_bias``, a pending ``min_tokens``, or a grammar (their
-per-token processing is not yet replayed over a draft), and no ``seed`` when sampled
-(a seeded request's draws must not depend on draft lengths); the others decode one
-token a step as before, in the same batch.
+logprobs, penalties, ``logit_bias`` or a pending ``min_tokens`` (their per-token
+processing is not yet replayed over a draft), and no ``seed`` when sampled (a seeded
+request's draws must not depend on draft lengths); the others decode one token a step
+as before, in the same batch. A request with a grammar takes part once the grammar
+constrains it (not while a reasoning parser lets it think freely): the engine walks its
+matcher along the draft to mask each position's logits, then rolls it back, and the
+verified tokens advance it as usual (:meth:`SpeculativeDecoder.mask_for_grammar`).
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class SpeculativeDecoder:
             and params.presence_penalty == 0.0
             and not params.logit_bias
             and seq.num_output_tokens >= params.min_tokens
-            and seq.matcher is None
+            and (seq.matcher is None or seq.reasoning_end is None)  # a grammar, once it constrains
             # A seeded request draws once per token from its own generator (its samples
             # repeat whatever the batch); a draft's accept/resample draws would depend on
             # how long the draft was, so seeded sampling decodes without drafts.
@@ -185,6 +188,23 @@ class SpeculativeDecoder:
             seq.spec_probs = None
 
     # ------------------------------------------------------------------ after the forward pass
+
+    @staticmethod
+    def mask_for_grammar(seq: Sequence, logits: torch.Tensor, draft: list[int], apply_masks) -> list[int]:
+        """Mask ``logits`` (``[1 + n, vocab]``, in place) row by row with the grammar's
+        state after each draft prefix; returns the draft cut before its first token the
+        grammar refuses (that token could never be kept). The matcher is rolled back to
+        where it was: the verified tokens advance it when they are appended."""
+        matcher = seq.matcher
+        walked = 0
+        for i in range(len(draft) + 1):
+            apply_masks(logits[i : i + 1], [matcher])
+            if i == len(draft) or not matcher.accept_tokens([draft[i]]):
+                break
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
+        return draft[:walked] if walked < len(draft) else draft
 
     def take_back(self, seq: Sequence) -> tuple[list[int], object]:
         """Remove the draft from the sequence's tokens; returns (tokens, probs)."""
