@@ -440,15 +440,7 @@ class LLMEngine:
             return failed
         decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         logits = self.runner.execute(batch)
-        filed, drafts = [], {}
-        for seq, num_new in batch.items:
-            if seq.spec_tokens:  # the draft leaves the sequence until verified
-                drafts[seq.seq_id] = self.speculator.take_back(seq)
-                num_new -= len(drafts[seq.seq_id][0])
-            seq.num_computed_tokens += num_new
-            filed += self.pool.cache_full_blocks(seq)
-        if self.kv_transfer is not None and filed:
-            self.kv_transfer.save(filed)
+        drafts = self._advance(batch)
         now = time.time()
         self._record_prompt_logprobs(logits)
         if logits.sample_seqs:
@@ -479,6 +471,22 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request_id]
         return outputs
+
+    def _advance(self, batch) -> dict[int, tuple[list[int], object]]:
+        """After the forward pass: count the scheduled tokens as computed, file the
+        blocks they filled (and save them through a KV connector), and take the
+        speculative drafts back out of their sequences until they are verified;
+        returns those drafts by sequence."""
+        filed, drafts = [], {}
+        for seq, num_new in batch.items:
+            if seq.spec_tokens:
+                drafts[seq.seq_id] = self.speculator.take_back(seq)
+                num_new -= len(drafts[seq.seq_id][0])
+            seq.num_computed_tokens += num_new
+            filed += self.pool.cache_full_blocks(seq)
+        if self.kv_transfer is not None and filed:
+            self.kv_transfer.save(filed)
+        return drafts
 
     def _accept_drafts(self, batch, logits: StepLogits, drafts: dict, now: float) -> None:
         """Append the verified tokens of every drafted sequence (see
