@@ -45,4 +45,4 @@ def test_plugin_module_imports_nothing_heavy():
         " or m.startswith('pyagent_spec.') and m != 'pyagent_spec.plugin'), sorted(n for n, _, _ in names))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] ['ngram', 'suffix']", out.stdout + out.stderr
+    assert out.stdout.strip() == "[] ['draft_model', 'ngram', 'suffix']", out.stdout + out.stderr
