@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from pyagent_framework.engine.rejection import greedy_accept, rejection_sample
 from pyagent_framework.engine.sampler import apply_top_k_top_p_min_p
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import Proposer
@@ -221,12 +222,8 @@ class SpeculativeDecoder:
         logits = logits.float()
         if params.greedy:
             target = logits.argmax(dim=-1).tolist()
-            from pyagent_framework.engine.rejection import greedy_accept
-
             emitted = greedy_accept(target, draft)
         else:
-            from pyagent_framework.engine.rejection import rejection_sample
-
             rows = logits.cpu() / params.temperature
             n = rows.shape[0]
             rows = apply_top_k_top_p_min_p(
