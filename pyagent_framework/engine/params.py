@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.regex_guard import RegexCostError, check_regex_cost, schema_patterns
 from pyagent_framework.types import GrammarSpec
 
 MAX_N = 16
@@ -103,6 +104,8 @@ class StructuredOutputsParams:
                 except (TypeError, ValueError, RecursionError) as exc:
                     _fail(f"the JSON schema cannot be written as JSON: {exc}", "json")
             _check_schema(schema)
+            for where, pattern in schema_patterns(schema):
+                _check_regex_cost("json", pattern, f"the JSON schema's pattern at {where}: ")
             return GrammarSpec("json_schema", schema)
         if kind == "choice":
             choices = self.choice
@@ -118,6 +121,8 @@ class StructuredOutputsParams:
         if not isinstance(text, str) or not text:
             _fail(f"{kind} must be a non-empty string", kind)
         _check_size(kind, text)
+        if kind == "regex":
+            _check_regex_cost("regex", text)
         return GrammarSpec(kind, text)
 
 
@@ -137,6 +142,14 @@ def _check_schema(schema: Any) -> None:
         _fail(f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", "json")
     except RecursionError:
         _fail("the JSON schema is nested too deeply", "json")
+
+
+def _check_regex_cost(key: str, pattern: str, where: str = "") -> None:
+    """Refuse a pattern whose per-token matching cost cannot be bounded (see regex_guard)."""
+    try:
+        check_regex_cost(pattern)
+    except RegexCostError as exc:
+        _fail(f"{where}{exc}", key)
 
 
 def _check_size(key: str, text: str) -> None:
