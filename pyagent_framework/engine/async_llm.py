@@ -1,5 +1,15 @@
 """The asyncio engine for servers: requests stream back through async iterators while
-the engine loop runs in its own thread, off the event loop."""
+the engine loop runs in its own thread, off the event loop.
+
+The request lifecycle is race-free: a caller may be cancelled at any point (before its
+request is queued, while its grammar compiles, while the add waits for the engine
+thread, mid-prefill, mid-decode, mid-stream) and its request is aborted and its blocks
+freed; nothing a caller does can raise on the engine thread. A request that fails
+(a plugin raised for it) ends with an output whose ``error`` says why. Only a failed
+model forward, or a step that makes no progress for ``step_timeout`` seconds (the
+watchdog), stops the engine: every open request then gets :class:`EngineDeadError`,
+``is_alive`` turns false and the ``on_dead`` callbacks run (the server exits on it).
+"""
 
 from __future__ import annotations
 
@@ -7,21 +17,30 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import sys
 import threading
+import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
-from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 
 logger = logging.getLogger("pyagent_framework.engine")
 
+STATS_WAIT_SECONDS = 0.25  # how long stats() waits for a step to end before answering from the last one
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served."""
+
+
+class EngineStalledError(RuntimeError):
+    """A step made no progress for longer than the watchdog allows."""
 
 
 class RequestStream:
@@ -65,6 +84,21 @@ class RequestStream:
         self.close()
 
 
+@dataclass
+class _Add:
+    """A request waiting for the engine thread to add it."""
+
+    request_id: str
+    prompt: Any
+    params: SamplingParams | None
+    cache_salt: str | None
+    grammar: concurrent.futures.Future | None
+    reasoning_end: Any
+    added: concurrent.futures.Future  # never cancelled: callers wait on it through _wait
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
 class AsyncLLM:
     """Runs an :class:`LLMEngine` in its own thread for asyncio callers.
 
@@ -73,18 +107,32 @@ class AsyncLLM:
     caller was cancelled while the add was still waiting.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        step_timeout: float | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.step_timeout = step_timeout
         self._lock = threading.Lock()  # guards the engine: requests vs step vs stats
+        self._streams_lock = threading.Lock()  # guards _streams; never held around engine work
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: deque[tuple] = deque()  # (request_id, prompt, params, cache_salt, grammar, reasoning_end, future, loop, queue)
+        self._adds: deque[_Add] = deque()
         self._aborts: deque[str] = deque()  # ids to abort before the next step
         self._ids = itertools.count()
         self._stopping = False
+        self._step_started: float | None = None  # monotonic time the running step began
+        self._last_stats: dict[str, Any] = {}
+        self._on_dead = [on_dead] if on_dead is not None else []
+        self._dead_lock = threading.Lock()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pyagent-engine", daemon=True)
         self._thread.start()
+        if step_timeout is not None:
+            threading.Thread(target=self._watch, name="pyagent-watchdog", daemon=True).start()
 
     @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "AsyncLLM":
@@ -93,6 +141,10 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (from an engine thread) if the engine dies."""
+        self._on_dead.append(callback)
 
     async def add_request(
         self,
@@ -106,27 +158,39 @@ class AsyncLLM:
         """Queue a request (raising InvalidRequestError at once for bad input) and
         return a :class:`RequestStream` of its outputs; closing it early aborts it.
         ``cache_salt``, ``reasoning_end``: see :meth:`LLMEngine.add_request`."""
-        if self.error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         grammar = self.engine.prepare_grammar(params or SamplingParams())
         if grammar is not None:  # a bad spec fails here, before anything is queued
-            await asyncio.wrap_future(grammar)
+            await _wait(grammar)  # cancelling this wait leaves the shared compile alone
+            self._check_alive()
         queue: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._adds.append((request_id, prompt, params, cache_salt, grammar, reasoning_end, added, asyncio.get_running_loop(), queue))
+        self._adds.append(
+            _Add(request_id, prompt, params, cache_salt, grammar, reasoning_end, added, asyncio.get_running_loop(), queue)
+        )
         self._wake.set()
         try:
-            await asyncio.wrap_future(added)
+            await _wait(added)
         except asyncio.CancelledError:
             self.abort_nowait(request_id)  # queued after the add: it will find it
             raise
         return RequestStream(self, request_id, queue)
 
+    def _check_alive(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the engine was shut down")
+
     def stats(self) -> dict[str, Any]:
-        """The engine's counters, read between steps."""
-        with self._lock:
-            return self.engine.stats()
+        """The engine's counters, read between steps; while a step runs longer than
+        a moment, those of the last step (so /metrics never hangs on the engine)."""
+        if not self._lock.acquire(timeout=STATS_WAIT_SECONDS):
+            return dict(self._last_stats)
+        try:
+            self._last_stats = self.engine.stats()
+        finally:
+            self._lock.release()
+        return dict(self._last_stats)
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
@@ -134,50 +198,67 @@ class AsyncLLM:
     def abort_nowait(self, request_id: str) -> None:
         """Abort from any thread or a cancelled task: the engine thread aborts the
         request before its next step, freeing its KV blocks."""
-        self._streams.pop(request_id, None)
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
         self._aborts.append(request_id)
         self._wake.set()
 
+    # ------------------------------------------------------------------ engine thread
+
     def _apply_queued(self) -> None:
         while self._adds:
-            request_id, prompt, params, cache_salt, grammar, reasoning_end, added, loop, queue = self._adds.popleft()
+            item = self._adds.popleft()
             try:
                 with self._lock:
                     self.engine.add_request(
-                        request_id, prompt, params, cache_salt=cache_salt, grammar=grammar, reasoning_end=reasoning_end
+                        item.request_id,
+                        item.prompt,
+                        item.params,
+                        cache_salt=item.cache_salt,
+                        grammar=item.grammar,
+                        reasoning_end=item.reasoning_end,
                     )
-                    self._streams[request_id] = (loop, queue)
-            except BaseException as exc:  # bad input: the caller gets the error
-                added.set_exception(exc)
+                    with self._streams_lock:
+                        self._streams[item.request_id] = (item.loop, item.queue)
+            except Exception as exc:  # bad input: the caller gets the error
+                item.added.set_exception(exc)
             else:
-                added.set_result(None)
+                item.added.set_result(None)
         while self._aborts:
             request_id = self._aborts.popleft()
-            with self._lock:
-                self.engine.abort_request(request_id)
+            try:
+                with self._lock:
+                    self.engine.abort_request(request_id)
+            except Exception:  # the request is gone either way; the loop goes on
+                logger.exception("aborting request %s failed", request_id)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one
         per request."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            target = self._streams.get(request_id)
-            if target is None:
-                continue
-            loop, queue = target
-            if isinstance(item, RequestOutput) and item.error is not None:
-                item = InvalidRequestError(item.error, param="structured_outputs")
-            if isinstance(item, BaseException) or item.finished:
-                self._streams.pop(request_id, None)
-            batches.setdefault(loop, []).append((queue, item))
+        with self._streams_lock:
+            for request_id, item in items:
+                target = self._streams.get(request_id)
+                if target is None:
+                    continue
+                loop, queue = target
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]
+                batches.setdefault(loop, []).append((queue, item))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's loop is closed
                 pass
 
+    def _orphans(self) -> list[str]:
+        """Streams whose request the engine no longer has and that got no final
+        output (a failure the engine could not report): they are told, not left waiting."""
+        with self._lock, self._streams_lock:
+            return [request_id for request_id in self._streams if request_id not in self.engine.requests]
+
     def _loop(self) -> None:
-        while not self._stopping:
+        while not self._stopping and self.error is None:
             self._apply_queued()
             with self._lock:
                 busy = self.engine.has_unfinished_requests()
@@ -187,21 +268,61 @@ class AsyncLLM:
                 continue
             try:
                 with self._lock:
+                    self._step_started = time.monotonic()
                     outputs = self.engine.step()
-                    self._deliver([(out.request_id, out) for out in outputs])
-            except BaseException as exc:  # the model itself failed: report to everyone
-                logger.exception("engine step failed")
-                self.error = exc
-                self._fail_all(exc)
+                    self._step_started = None
+            except BaseException as exc:  # the model forward failed: nothing can be served
+                self._die(exc, "".join(traceback.format_exception(exc)))
                 return
-        self._fail_all(None)
+            if self.error is not None:  # the watchdog gave up on this step meanwhile
+                return
+            try:
+                self._deliver([(out.request_id, out) for out in outputs])
+                orphans = self._orphans()
+                if orphans:
+                    lost = RuntimeError("the engine lost track of this request")
+                    logger.error("%d request(s) ended without a final output; failing them", len(orphans))
+                    self._deliver([(request_id, lost) for request_id in orphans])
+            except Exception:
+                logger.exception("delivering outputs failed")
+        if self.error is None:
+            self._fail_all(None)
+
+    def _watch(self) -> None:
+        """The watchdog: a step running longer than ``step_timeout`` kills the engine."""
+        period = min(1.0, self.step_timeout / 4)
+        while not self._stopping and self.error is None:
+            time.sleep(period)
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                frame = sys._current_frames().get(self._thread.ident)
+                where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+                error = EngineStalledError(f"an engine step has made no progress for {self.step_timeout:g} s (step_timeout)")
+                self._die(error, f"the engine thread is at:\n{where}")
+                return
+
+    def _die(self, exc: BaseException, details: str) -> None:
+        with self._dead_lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        logger.critical("the engine failed and cannot serve: %r\n%s", exc, details)
+        self._fail_all(exc)
+        for callback in self._on_dead:
+            try:
+                callback(exc)
+            except Exception:
+                logger.exception("an on_dead callback failed")
 
     def _fail_all(self, exc: BaseException | None) -> None:
+        """Every waiting add and open stream gets EngineDeadError; takes no engine lock
+        (the watchdog calls it while a step still holds it)."""
         error = EngineDeadError(f"the engine stopped: {exc!r}" if exc else "the engine was shut down")
         while self._adds:
-            self._adds.popleft()[5].set_exception(error)
-        with self._lock:
-            self._deliver([(request_id, error) for request_id in list(self._streams)])
+            self._adds.popleft().added.set_exception(error)
+        with self._streams_lock:
+            ids = list(self._streams)
+        self._deliver([(request_id, error) for request_id in ids])
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
@@ -209,6 +330,32 @@ class AsyncLLM:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.engine.close()  # queued KV saves finish; the connector is released
+
+
+async def _wait(future: concurrent.futures.Future) -> Any:
+    """Await a concurrent future without ever cancelling it: a cancelled caller stops
+    waiting, and whoever completes the future (the engine thread, a compile shared by
+    several requests) is not disturbed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        if waiter.done():
+            return
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    def wake(done: concurrent.futures.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, done)
+        except RuntimeError:  # the caller's loop has closed
+            pass
+
+    future.add_done_callback(wake)
+    return await waiter
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

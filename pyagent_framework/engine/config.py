@@ -92,6 +92,7 @@ class EngineConfig:
     grammar_backend: str = attrs.field(default="auto", metadata={"help": "structured-output grammar backend: a registry name, or auto (xgrammar, then outlines, then others; the next on an unsupported feature)"})
     grammar_cache_memory: str = attrs.field(default="256MiB", metadata={"help": "memory bound of the compiled-grammar cache (least recently used out), e.g. 64MiB"})
     grammar_compile_timeout: float = attrs.field(default=10.0, validator=_positive, metadata={"help": "seconds a grammar may take to compile before its requests fail"})
+    grammar_token_timeout: float = attrs.field(default=0.25, validator=_positive, metadata={"help": "seconds a request's grammar may spend matching one output token (masking and advancing) before the request fails"})
     kv_connector: str | None = attrs.field(default=None, metadata={"help": "KV connector (registry name, e.g. disk, redis): save computed KV blocks to a store and load them on a later prefix hit, in this or another engine"})
     kv_connector_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("kv_connector_config", v), metadata={"help": "the connector's options as JSON, e.g. '{\"path\": \"/tmp/kv\"}'; the engine itself reads failure_threshold, backoff_seconds, max_pending_saves and model_identity"})
     kv_role: str = attrs.field(default="both", validator=lambda _, a, v: _one_of(a, v, ("producer", "consumer", "both")), metadata={"help": "what this engine does with the KV connector: producer (saves), consumer (loads) or both"})

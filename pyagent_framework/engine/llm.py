@@ -6,7 +6,6 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any, Union
 
-from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -49,7 +48,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs for every prompt, in the order given. A single prompt may be a string
         or a list of token ids. ``cache_salt`` keeps these prompts' cached KV blocks
-        apart from requests with another salt (or none)."""
+        apart from requests with another salt (or none). A request that fails while it
+        runs (a plugin raised for it, its grammar ran over its time budget) comes back
+        with ``finish_reason="error"`` and the reason in ``error``; the others are
+        unaffected."""
         ids = self._submit(prompts, params, cache_salt)
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
         return [finals[request_id] for request_id in ids]
@@ -87,9 +89,9 @@ class LLM:
         pending = set(ids)
         try:
             while pending:
+                # A request that fails (a plugin raised for it, its grammar ran over its
+                # time budget) ends with finish_reason "error" and out.error; the rest go on.
                 for out in self.engine.step():
-                    if out.error is not None:  # its grammar failed after all (evicted and recompiled)
-                        raise InvalidRequestError(out.error, param="structured_outputs")
                     if out.request_id in pending:
                         if out.finished:
                             pending.discard(out.request_id)

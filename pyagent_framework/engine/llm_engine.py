@@ -21,6 +21,7 @@ from pyagent_framework.engine import loader
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.faults import GuardedMatcher, ModelForwardError, PluginCallError, call_plugin
 from pyagent_framework.engine.kv_cache import BlockPool
 from pyagent_framework.engine.kv_transfer import KVTransfer
 from pyagent_framework.engine.model_runner import ModelRunner, StepLogits
@@ -55,6 +56,8 @@ class Request:
     prompt_logprobs: list | None = None
     reported: bool = field(default=False)
     grammar: concurrent.futures.Future | None = None  # compiling: scheduled once done
+    error: str | None = None  # why it failed (finish_reason "error")
+    error_kind: str | None = None  # "invalid_request" (the request's fault) or "internal"
 
     @property
     def finished(self) -> bool:
@@ -144,6 +147,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.compiling: list[Request] = []  # waiting for their grammar, in arrival order
         self.num_preemptions = 0
+        self.num_request_errors = 0  # requests failed by a fault of their own (plugin, budget)
+        self._failed: list[str] = []  # this step's failed requests, reported with its outputs
+        self._step_requests: set[str] | None = None  # the requests of the step under way, once scheduled
+        self._tokenizer_name = config.tokenizer if config.tokenizer in registries.tokenizers else "hf"
 
     @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -207,7 +214,7 @@ class LLMEngine:
                 field="speculative_config",
             ) from None
         try:
-            return SpeculativeDecoder(proposer, config.num_speculative_tokens, seed=config.seed)
+            return SpeculativeDecoder(proposer, config.num_speculative_tokens, seed=config.seed, name=method)
         except ValueError as exc:
             raise ConfigError(str(exc), field="num_speculative_tokens") from None
 
@@ -298,6 +305,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass chat_template (e.g. 'chatml')", param="messages"
             )
+        # Content None (an assistant message that only calls tools, as OpenAI sends it)
+        # renders as "": templates test and concatenate content, and None breaks that.
+        messages = [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
         return render_chat_template(
             source,
             messages,
@@ -428,18 +438,50 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. A fault of one request (a plugin that raises, a grammar
+        over its time budget) fails that request and the step goes on; a failure in the
+        step's own bookkeeping fails the requests of the step. Only a failure of the
+        model forward is raised (:class:`ModelForwardError`): the engine cannot go on."""
+        self._failed = []
+        self._step_requests = None
+        try:
+            outputs = self._step()
+        except ModelForwardError:
+            raise
+        except Exception as exc:
+            logger.exception("engine step failed outside the model forward")
+            concerned = self._step_requests if self._step_requests is not None else set(self.requests)
+            now = time.time()
+            for request_id in concerned:
+                request = self.requests.get(request_id)
+                if request is not None:
+                    self._fail_request(request, f"internal error while serving the request: {type(exc).__name__}: {exc}", now)
+            outputs = []
+        return outputs + self._collect_failed()
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        failed = self._start_compiled() if self.compiling else []
+        if self.compiling:
+            self._start_compiled()
         batch = self.scheduler.schedule()
+        self._step_requests = {seq.request_id for seq, _ in batch.items}
         self.num_preemptions += batch.num_preempted
+        if batch.failed:  # a proposer raised for these: fail them before the forward
+            now = time.time()
+            for seq, error in batch.failed:
+                self._fail_request(self.requests[seq.request_id], str(error), now, kind="internal")
+            batch.items = [(seq, n) for seq, n in batch.items if not seq.is_finished]
         if not batch:
-            if self.compiling and not failed:  # nothing to run until a grammar is ready
+            if self.compiling and not self._failed:  # nothing to run until a grammar is ready
                 concurrent.futures.wait(
                     [r.grammar for r in self.compiling], GRAMMAR_POLL_SECONDS, concurrent.futures.FIRST_COMPLETED
                 )
-            return failed
+            return []
         decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
-        logits = self.runner.execute(batch)
+        try:
+            logits = self.runner.execute(batch)
+        except Exception as exc:
+            raise ModelForwardError(f"the model forward failed: {type(exc).__name__}: {exc}") from exc
         drafts = self._advance(batch)
         now = time.time()
         self._record_prompt_logprobs(logits)
@@ -447,11 +489,16 @@ class LLMEngine:
             matchers = [seq.matcher if seq.reasoning_end is None else None for seq in logits.sample_seqs]
             if any(m is not None for m in matchers):
                 self.structured.apply_masks(logits.sample_logits, matchers, self.layer_ops)
-            results = self.sampler.sample(logits.sample_logits, logits.sample_seqs)
+                for seq, matcher in zip(logits.sample_seqs, matchers):
+                    if getattr(matcher, "error", None) is not None:
+                        self._fail_request(self.requests[seq.request_id], str(matcher.error), now, kind="internal")
+            results = self._sample(logits.sample_logits, logits.sample_seqs, now)
             for seq, result in zip(logits.sample_seqs, results):
-                self._append_token(seq, result, now)
+                if not seq.is_finished:
+                    self._guarded(seq, now, self._append_token, seq, result, now)
         if drafts:
             self._accept_drafts(batch, logits, drafts, now)
+        self._charge_grammar_time(batch, now)
         if self.speculator is not None and decode_step:
             # A decode step's time, drafting and verifying included, prices a scored row.
             self.speculator.observe_step(time.perf_counter() - started, batch.num_tokens, len(batch.items))
@@ -462,10 +509,10 @@ class LLMEngine:
             # decode instance: a finished request waits for its saves.
             if any(self.requests[r].finished for r in touched if r in self.requests):
                 self.kv_transfer.flush(timeout=PRODUCER_FLUSH_SECONDS)
-        outputs = failed
+        outputs = []
         for request_id in touched:
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or request.error is not None:  # a failed one is reported by step()
                 continue
             outputs.append(self._output(request))
             if request.finished:
@@ -489,35 +536,38 @@ class LLMEngine:
         return drafts
 
     def _accept_drafts(self, batch, logits: StepLogits, drafts: dict, now: float) -> None:
-        """Append the verified tokens of every drafted sequence (see
+        for seq, _ in batch.items:
+            if seq.seq_id in drafts and not seq.is_finished:
+                self._guarded(seq, now, self._accept_draft, seq, logits, drafts[seq.seq_id], now)
+
+    def _accept_draft(self, seq: Sequence, logits: StepLogits, drafted: tuple, now: float) -> None:
+        """Append the verified tokens of a drafted sequence (see
         :mod:`pyagent_framework.engine.speculative`): the kept draft tokens count as
         computed, the blocks only a rejected draft used go back to the pool."""
-        for seq, _ in batch.items:
-            if seq.seq_id not in drafts:
-                continue
-            draft, probs = drafts[seq.seq_id]
-            rows = logits.spec_rows[seq.seq_id]
-            if seq.matcher is not None and seq.reasoning_end is None:
-                rows = rows.float().clone()
-                kept = self.speculator.mask_for_grammar(
-                    seq, rows, draft, lambda row, matchers: self.structured.apply_masks(row, matchers, self.layer_ops)
-                )
-                rows, probs = rows[: len(kept) + 1], None if probs is None else probs[: len(kept)]
-                draft = kept
-            emitted = self.speculator.verify(seq, rows, draft, probs)
-            for i, token in enumerate(emitted):
-                self._append_token(seq, SampleResult(token), now)
-                if seq.is_finished:
-                    break
-                if i < len(emitted) - 1:  # a kept draft token: its keys/values are in the cache
-                    seq.num_computed_tokens += 1
-            if not seq.is_finished:
-                self.pool.trim(seq)
+        draft, probs = drafted
+        rows = logits.spec_rows[seq.seq_id]
+        if seq.matcher is not None and seq.reasoning_end is None:
+            rows = rows.float().clone()
+            kept = self.speculator.mask_for_grammar(
+                seq, rows, draft, lambda row, matchers: self.structured.apply_masks(row, matchers, self.layer_ops)
+            )
+            if seq.matcher.error is not None:
+                raise seq.matcher.error
+            rows, probs = rows[: len(kept) + 1], None if probs is None else probs[: len(kept)]
+            draft = kept
+        emitted = self.speculator.verify(seq, rows, draft, probs)
+        for i, token in enumerate(emitted):
+            self._append_token(seq, SampleResult(token), now)
+            if seq.is_finished:
+                break
+            if i < len(emitted) - 1:  # a kept draft token: its keys/values are in the cache
+                seq.num_computed_tokens += 1
+        if not seq.is_finished:
+            self.pool.trim(seq)
 
-    def _start_compiled(self) -> list[RequestOutput]:
+    def _start_compiled(self) -> None:
         """Schedule the requests whose grammar is ready (each sequence gets its own
-        matcher); finish those whose spec failed, with the error in their output."""
-        failed = []
+        matcher); fail those whose spec failed, with the error in their output."""
         still = []
         for request in self.compiling:
             if self.requests.get(request.request_id) is not request:
@@ -528,19 +578,97 @@ class LLMEngine:
             error = request.grammar.exception()
             if error is None:
                 grammar = request.grammar.result()
+                try:
+                    for seq in request.seqs:
+                        matcher = call_plugin("grammar_backend", grammar.backend_name, "matcher", grammar.matcher)
+                        seq.matcher = GuardedMatcher(matcher, grammar.backend_name)
+                except PluginCallError as exc:
+                    self._fail_request(request, str(exc), time.time())
+                    continue
                 for seq in request.seqs:
-                    seq.matcher = grammar.matcher()
                     self.scheduler.add(seq)
                 continue
-            now = time.time()
-            for seq in request.seqs:
-                self._finish(seq, "abort", now)
-            output = self._output(request)
-            output.error = str(error)
-            failed.append(output)
-            del self.requests[request.request_id]
+            # Compiled again after the cache evicted it, and failed this time.
+            self._fail_request(request, str(error), time.time(), kind="invalid_request")
         self.compiling = still
-        return failed
+
+    # ------------------------------------------------------------------ faults
+
+    def _fail_request(self, request: Request, message: str, now: float, *, kind: str = "internal") -> None:
+        """Finish every sequence of the request with ``finish_reason="error"`` and free
+        its blocks; the step reports it. ``kind``: ``invalid_request`` when the request
+        itself cannot be served, ``internal`` for a plugin's or the engine's fault."""
+        if request.error is not None:
+            return
+        request.error, request.error_kind = message, kind
+        self.num_request_errors += 1
+        logger.warning("request %s failed: %s", request.request_id, message)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                try:
+                    self._finish(seq, "error", now)
+                except Exception:  # the bookkeeping itself broke: the sequence is out regardless
+                    logger.exception("freeing request %s after its failure", request.request_id)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "error"
+        self._failed.append(request.request_id)
+
+    def _collect_failed(self) -> list[RequestOutput]:
+        """Outputs of the requests this step failed that it has not reported yet."""
+        outputs = []
+        for request_id in self._failed:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                outputs.append(self._output(request))
+        self._failed = []
+        return outputs
+
+    def _guarded(self, seq: Sequence, now: float, fn, *args) -> None:
+        """``fn(*args)`` for one sequence; an error fails its request, not the step."""
+        try:
+            fn(*args)
+        except PluginCallError as exc:
+            self._fail_request(self.requests[seq.request_id], str(exc), now)
+        except Exception as exc:
+            logger.exception("advancing request %s failed", seq.request_id)
+            self._fail_request(
+                self.requests[seq.request_id], f"internal error while advancing the request: {type(exc).__name__}: {exc}", now
+            )
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> list[SampleResult | None]:
+        """The batch sampled at once; if that raises, row by row, so that only the rows
+        that raise again fail their requests."""
+        try:
+            return self.sampler.sample(logits, seqs)
+        except Exception:
+            logger.exception("sampling the batch failed; sampling row by row")
+        results: list[SampleResult | None] = []
+        for row, seq in enumerate(seqs):
+            try:
+                results.append(self.sampler.sample(logits[row : row + 1], [seq])[0])
+            except Exception as exc:
+                self._fail_request(self.requests[seq.request_id], f"sampling failed: {type(exc).__name__}: {exc}", now)
+                results.append(None)
+        return results
+
+    def _charge_grammar_time(self, batch, now: float) -> None:
+        """Fail the requests whose grammar spent more than its per-token budget
+        (``grammar_token_timeout``) on this step's tokens."""
+        budget = self.config.grammar_token_timeout
+        for seq, _ in batch.items:
+            matcher = seq.matcher
+            if not isinstance(matcher, GuardedMatcher):
+                continue
+            spent = matcher.take_spent()
+            tokens = 1 + len(seq.spec_tokens)
+            if spent > budget * tokens and not seq.is_finished:
+                self._fail_request(
+                    self.requests[seq.request_id],
+                    f"structured_outputs: the grammar took {spent:.2f} s to match one output token, over the "
+                    f"{budget:g} s budget (grammar_token_timeout); simplify the pattern or schema",
+                    now,
+                    kind="invalid_request",
+                )
 
     @staticmethod
     def _reasoning_over(seq: Sequence) -> bool:
@@ -557,15 +685,17 @@ class LLMEngine:
             seq = request.seqs[0]
             if request.prompt_logprobs is None or seq.seq_id not in logits.prompt_rows:
                 continue
-            first, rows = logits.prompt_rows[seq.seq_id]
-            logprobs = torch.log_softmax(rows.float().cpu(), dim=-1)
-            for offset in range(rows.shape[0]):
-                position = first + offset
-                if position + 1 < len(request.prompt_logprobs):
-                    continue  # recomputed after a preemption: already recorded
-                target = request.prompt_token_ids[position + 1]
-                _, entry = top_logprobs(logprobs[offset], target, request.params.prompt_logprobs)
-                request.prompt_logprobs.append(entry)
+            self._guarded(seq, time.time(), self._record_rows, request, *logits.prompt_rows[seq.seq_id])
+
+    def _record_rows(self, request: Request, first: int, rows: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(rows.float().cpu(), dim=-1)
+        for offset in range(rows.shape[0]):
+            position = first + offset
+            if position + 1 < len(request.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            target = request.prompt_token_ids[position + 1]
+            _, entry = top_logprobs(logprobs[offset], target, request.params.prompt_logprobs)
+            request.prompt_logprobs.append(entry)
 
     def _append_token(self, seq: Sequence, result: SampleResult, now: float) -> None:
         params = seq.params
@@ -573,10 +703,9 @@ class LLMEngine:
         constrained = seq.matcher is not None and seq.reasoning_end is None
         if constrained and not seq.matcher.accept_tokens([token]):
             # Only a token the mask allowed can be sampled; if the backend disagrees
-            # with its own mask, end this sequence rather than emit unconstrained text.
-            logger.error("grammar refused token %d it had allowed (request %s)", token, seq.request_id)
-            self._finish(seq, "abort", now)
-            return
+            # with its own mask, fail this request rather than emit unconstrained text.
+            error = RuntimeError(f"refused token {token}, which its own mask allowed")
+            raise PluginCallError("grammar_backend", getattr(seq.matcher, "backend", "?"), "GrammarMatcher.accept_tokens", error)
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -590,7 +719,7 @@ class LLMEngine:
         ends = (can_stop and not params.ignore_eos and token in self.eos_token_ids) or (
             can_stop and token in (params.stop_token_ids or ())
         ) or (constrained and token in self.eos_token_ids and seq.matcher.is_terminated())
-        delta = "" if ends and not params.include_stop_str_in_output else seq.detokenizer.add(token)
+        delta = "" if ends and not params.include_stop_str_in_output else self._detokenize(seq.detokenizer.add, token)
         seq.output_text += delta
 
         if can_stop and delta:
@@ -611,12 +740,15 @@ class LLMEngine:
         elif seq.num_tokens >= seq.max_total_tokens:
             self._finish(seq, "length", now)
         if seq.is_finished:
-            tail = seq.detokenizer.flush()
+            tail = self._detokenize(seq.detokenizer.flush)
             seq.output_text += tail
             if tail:
                 stop = self._cut_at_stop(seq, len(tail))
                 if stop is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _detokenize(self, fn, *args) -> str:
+        return call_plugin("tokenizer", self._tokenizer_name, "decode", fn, *args)
 
     @staticmethod
     def _cut_at_stop(seq: Sequence, new_chars: int) -> str | None:
@@ -673,6 +805,8 @@ class LLMEngine:
             finished=request.finished,
             metrics=metrics,
             prompt_logprobs=request.prompt_logprobs,
+            error=request.error,
+            error_kind=request.error_kind,
         )
 
     # ------------------------------------------------------------------ stats
@@ -687,6 +821,7 @@ class LLMEngine:
             "num_free_kv_blocks": self.pool.num_free_blocks,
             "kv_cache_usage": self.pool.num_used_blocks / self.pool.num_blocks,
             "num_preemptions": self.num_preemptions,
+            "num_request_errors": self.num_request_errors,
             "prefix_caching": self.pool.caching,
             "num_compiling": len(self.compiling),
             **self.pool.stats(),

@@ -32,7 +32,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (RequestOutput.error says why)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -51,4 +51,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the request failed (its outputs end with finish_reason "error"): the
+    # message, and whose fault: "invalid_request" (the request's own, e.g. a grammar over
+    # its time budget) or "internal" (a plugin or the engine; other requests go on).
     error: str | None = field(default=None)
+    error_kind: str | None = None

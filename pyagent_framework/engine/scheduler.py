@@ -26,6 +26,8 @@ class ScheduledBatch:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     num_preempted: int = 0
+    # Sequences whose proposer call raised (no draft, still scheduled): the engine fails them.
+    failed: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -76,7 +78,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         if self.speculator is not None:
-            self.speculator.draft(self.running, self.max_model_len)
+            batch.failed = self.speculator.draft(self.running, self.max_model_len)
 
         index = 0
         while index < len(self.running) and budget > 0:

@@ -35,11 +35,16 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
+from pyagent_framework.engine.faults import PluginCallError, call_plugin, describe_entry
 from pyagent_framework.engine.rejection import greedy_accept, rejection_sample
 from pyagent_framework.engine.sampler import apply_top_k_top_p_min_p
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import Proposer
 from pyagent_framework.types import Draft, DraftRequest
+
+logger = logging.getLogger("pyagent_framework.engine")
 
 
 class StepCost:
@@ -84,12 +89,13 @@ class SpeculativeDecoder:
     PROBE_EVERY = 8
     DEFAULT_ROW_COST = 0.2  # lam before the step times tell
 
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, *, seed: int = 0) -> None:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, *, seed: int = 0, name: str | None = None) -> None:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise ValueError(f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}")
         if not 1 <= num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be between 1 and 64, got {num_speculative_tokens}")
         self.proposer = proposer
+        self.name = name or type(proposer).__name__  # the registry name, for error messages
         self.k = num_speculative_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self.drafted_steps = 0  # sequence-steps that carried a non-empty draft
@@ -121,9 +127,11 @@ class SpeculativeDecoder:
             and (params.greedy or params.seed is None)
         )
 
-    def draft(self, running: list[Sequence], max_model_len: int) -> None:
+    def draft(self, running: list[Sequence], max_model_len: int) -> list[tuple[Sequence, PluginCallError]]:
         """Ask the proposer for drafts for the decoding sequences of ``running`` and
-        append them to their tokens (``seq.spec_tokens`` remembers them)."""
+        append them to their tokens (``seq.spec_tokens`` remembers them). A proposer
+        that raises is asked again one request at a time; the sequences whose own call
+        raises get no draft and are returned with the error, for the engine to fail."""
         seqs, requests = [], []
         for seq in running:
             if seq.spec_tokens or seq.num_computed_tokens != seq.num_tokens - 1 or not self.takes_part(seq):
@@ -139,16 +147,36 @@ class SpeculativeDecoder:
             seqs.append(seq)
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, seq.num_prompt_tokens, limit))
         if not requests:
-            return
-        drafts = self.proposer.propose(requests)
-        if len(drafts) != len(requests):
-            raise RuntimeError(f"proposer returned {len(drafts)} drafts for {len(requests)} requests")
+            return []
+        failed = []
+        try:
+            drafts = self._propose(requests)
+        except PluginCallError:
+            drafts = []
+            for seq, request in zip(seqs, requests):
+                try:
+                    drafts.extend(self._propose([request]))
+                except PluginCallError as exc:
+                    drafts.append([])
+                    failed.append((seq, exc))
         for seq, request, draft in zip(seqs, requests, drafts):
-            tokens = [int(t) for t in (draft.tokens if isinstance(draft, Draft) else draft)][: request.max_tokens]
+            try:
+                tokens = [int(t) for t in (draft.tokens if isinstance(draft, Draft) else draft)][: request.max_tokens]
+            except (TypeError, ValueError) as exc:  # not a list of token ids
+                failed.append((seq, PluginCallError("proposer", self.name, "propose", exc)))
+                continue
             if tokens:
                 seq.spec_tokens = tokens
                 seq.spec_probs = draft.probs if isinstance(draft, Draft) and draft.probs is not None else None
                 seq.token_ids.extend(tokens)
+        return failed
+
+    def _propose(self, requests: list[DraftRequest]) -> list:
+        drafts = call_plugin("proposer", self.name, "propose", self.proposer.propose, requests)
+        if len(drafts) != len(requests):
+            error = RuntimeError(f"returned {len(drafts)} drafts for {len(requests)} requests")
+            raise PluginCallError("proposer", self.name, "propose", error)
+        return drafts
 
     def _worth(self, seq_id: int) -> int:
         """How many draft tokens are worth scoring for this sequence now (see the class
@@ -256,7 +284,10 @@ class SpeculativeDecoder:
         self._seqs.pop(seq.seq_id, None)
         callback = getattr(self.proposer, "request_finished", None)
         if callback is not None:
-            callback(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens)
+            try:  # a notice: the request is over whatever the proposer makes of it
+                callback(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens)
+            except Exception:
+                logger.exception("%s raised in request_finished", describe_entry("proposer", self.name))
 
     def stats(self) -> dict[str, object]:
         steps = self.drafted_steps

@@ -1,0 +1,100 @@
+"""A fault belongs to the request that caused it.
+
+The engine calls plugins for each sequence it advances: a grammar matcher, a
+tokenizer (detokenizing), a proposer (drafts), a reasoning predicate. When one of
+those calls raises, the sequence's request finishes with ``finish_reason="error"`` and
+a message naming the plugin, the entry and the call; the rest of the batch goes on.
+Only a failure of the model forward itself stops the engine (:class:`ModelForwardError`).
+
+:class:`GuardedMatcher` wraps a grammar matcher so that its errors and its time are
+attributed to its request: ``fill_bitmask`` runs inside a batched mask operation, so an
+error there is recorded on the matcher (the row is left unconstrained, and the engine
+fails the sequence before its token is used) instead of failing the whole batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pyagent_framework.interfaces import GrammarMatcher
+
+
+class ModelForwardError(RuntimeError):
+    """The model forward failed: the engine cannot go on."""
+
+
+class PluginCallError(RuntimeError):
+    """A plugin raised while serving one request; the message names the plugin
+    (kind and entry, and the distribution that registered it), the call and the error."""
+
+    def __init__(self, kind: str, name: str, call: str, exc: BaseException) -> None:
+        super().__init__(f"{describe_entry(kind, name)} raised in {call}: {type(exc).__name__}: {exc}")
+        self.kind, self.name, self.call = kind, name, call
+
+
+def describe_entry(kind: str, name: str) -> str:
+    """``grammar backend 'xgrammar' (pyagent-xgrammar 0.1.0 (plugin 'xgrammar'))``, or
+    without the provider when the registry does not know the name."""
+    from pyagent_framework import registries
+
+    label = f"{kind.replace('_', ' ')} {name!r}"
+    registry = getattr(registries, kind + "s", None)
+    try:
+        provider = registry.get(name).provider if registry is not None else None
+    except Exception:  # unknown name, or a registry without it: the label alone
+        provider = None
+    return f"{label} ({provider})" if provider is not None else label
+
+
+def call_plugin(kind: str, name: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, with any exception re-raised as a :class:`PluginCallError`."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise PluginCallError(kind, name, call, exc) from exc
+
+
+class GuardedMatcher(GrammarMatcher):
+    """A grammar backend's matcher, with its errors named and its time counted.
+
+    ``spent`` adds up the seconds of every call since the engine last read it
+    (:meth:`take_spent`): the engine compares it with the per-token budget.
+    """
+
+    def __init__(self, matcher: GrammarMatcher, backend: str) -> None:
+        self.matcher = matcher
+        self.backend = backend
+        self.error: PluginCallError | None = None  # from fill_bitmask, read by the engine
+        self.spent = 0.0
+
+    def _call(self, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return call_plugin("grammar_backend", self.backend, f"GrammarMatcher.{call}", fn, *args)
+        finally:
+            self.spent += time.perf_counter() - started
+
+    def take_spent(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        return bool(self._call("accept_tokens", self.matcher.accept_tokens, token_ids))
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        try:
+            self._call("fill_bitmask", self.matcher.fill_bitmask, bitmask, row)
+        except PluginCallError as exc:
+            self.error = exc
+            bitmask[row].fill_(-1)  # sampled, then thrown away with the failed sequence
+
+    def is_terminated(self) -> bool:
+        return bool(self._call("is_terminated", self.matcher.is_terminated))
+
+    def rollback(self, num_tokens: int) -> None:
+        self._call("rollback", self.matcher.rollback, num_tokens)
+
+    def reset(self) -> None:
+        self._call("reset", self.matcher.reset)

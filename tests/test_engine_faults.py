@@ -1,0 +1,143 @@
+"""In-process fault isolation: a plugin that raises for one request fails that
+request (finish_reason "error", the plugin named) and the rest of the batch comes out
+as if it had run alone; a bookkeeping failure fails the step's requests, not the
+engine; only the model forward is an engine failure; a caller cancelled while its add
+waits for the engine thread cannot kill that thread."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pyagent_framework import LLM, AsyncLLM, SamplingParams, registries
+from pyagent_framework.engine.faults import ModelForwardError
+from pyagent_framework.types import Draft
+from pyagent_xgrammar.backend import XGrammarBackend, XGrammarMatcher
+from tests.tiny_models import tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores"]
+
+
+class RaisingMatcher(XGrammarMatcher):
+    def fill_bitmask(self, bitmask, row):
+        raise RuntimeError("no mask today")
+
+
+class RaisingBackend(XGrammarBackend):
+    def matcher(self, compiled):
+        return RaisingMatcher(compiled)
+
+
+class PickyProposer:
+    """Drafts nothing, and raises for the request whose prompt starts with token 42."""
+
+    def __init__(self, config=None) -> None:
+        pass
+
+    def propose(self, requests):
+        if any(r.token_ids[0] == 42 for r in requests):
+            raise ValueError("token 42 is not welcome")
+        return [Draft([]) for _ in requests]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alone):
+    entry = registries.grammar_backends.register("raising-test", RaisingBackend, override=True)
+    try:
+        bad = GREEDY.replace(structured_outputs={"regex": "[a-z ]+", "backend": "raising-test"})
+        outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, bad, GREEDY])
+    finally:
+        registries.grammar_backends.unregister(entry.name)
+    assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
+    failed = outs[1]
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error_kind == "internal"
+    assert "grammar backend 'raising-test'" in failed.error and "fill_bitmask" in failed.error and "no mask today" in failed.error
+    assert llm.engine.stats()["num_free_kv_blocks"] == llm.engine.pool.num_blocks
+    assert llm.engine.stats()["num_request_errors"] >= 1
+
+
+def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone):
+    entry = registries.proposers.register("picky-test", PickyProposer, override=True)
+    try:
+        spec = LLM(path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none", speculative_method="picky-test")
+        prompt_ids = spec.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+        outs = spec.generate([PROMPTS[0], [42, *prompt_ids], PROMPTS[2]], GREEDY)
+    finally:
+        registries.proposers.unregister(entry.name)
+    assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert "proposer 'picky-test'" in outs[1].error and "token 42 is not welcome" in outs[1].error
+    assert spec.engine.pool.num_free_blocks == spec.engine.pool.num_blocks
+
+
+def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
+    original = llm.engine._advance
+    calls = {"n": 0}
+
+    def broken_once(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("lost a block")
+        return original(batch)
+
+    monkeypatch.setattr(llm.engine, "_advance", broken_once)
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert all(o.outputs[0].finish_reason == "error" and "KeyError" in o.error for o in outs)
+    monkeypatch.setattr(llm.engine, "_advance", original)
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    assert [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)] == alone
+
+
+def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
+    def broken(batch):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", broken)
+    llm.engine.add_request("doomed", PROMPTS[0], GREEDY)
+    with pytest.raises(ModelForwardError, match="device lost"):
+        llm.engine.step()
+    monkeypatch.undo()
+    llm.engine.abort_request("doomed")
+
+
+def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(path):
+    engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
+    try:
+
+        async def main():
+            engine._lock.acquire()  # the engine thread is "in a long step": adds wait
+            try:
+                tasks = [asyncio.ensure_future(engine.add_request(p, GREEDY)) for p in PROMPTS]
+                await asyncio.sleep(0.2)
+                for task in tasks:
+                    task.cancel()  # the clients give up while their adds wait
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                engine._lock.release()
+            await asyncio.sleep(0.5)  # the engine thread adds them, sees they were cancelled, aborts them
+            stream = await engine.add_request(PROMPTS[0], GREEDY)
+            return [out async for out in stream][-1]
+
+        final = asyncio.run(main())
+        assert engine.is_alive and final.outputs[0].finish_reason == "length"
+        stats = engine.stats()
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        engine.shutdown()
