@@ -299,7 +299,7 @@ def test_request_chat_template_when_trusted_and_named_templates(engine, path):
         response = chat(c, chat_template="{{ messages[0]['content'] }}")
         assert response.status_code == 200
         # A template that meets input it does not expect is the request's problem: 400.
-        broken = chat(c, chat_template="{{ messages[0]['content'] + '!' }}", messages=[{"role": "assistant", "content": None}])
+        broken = chat(c, chat_template="{{ messages[0]['content'] + 1 }}")
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
         assert "TypeError" in broken.json()["error"]["message"]
         assert response.json()["usage"]["prompt_tokens"] == len(engine.engine.tokenizer.encode("The quick brown fox", add_special_tokens=False))

@@ -34,10 +34,20 @@ def build_app(engine, config: ServerConfig, **options):
     return _build(engine, config, **options)
 
 
+# After the engine dies, how long open responses get to carry its error out before the
+# process exits (non-zero) anyway.
+DEAD_EXIT_SECONDS = 2.0
+EXIT_ENGINE_DEAD = 3
+
+
 def serve(engine_config, config: ServerConfig) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM."""
+    """Load the model, then serve until SIGINT/SIGTERM. If the engine dies (its model
+    forward failed, or the watchdog found a step stuck for ``step_timeout`` seconds),
+    the process exits with status 3 within a few seconds, for a supervisor to restart it."""
     import logging
+    import os
     import signal
+    import threading
 
     import uvicorn
 
@@ -45,7 +55,20 @@ def serve(engine_config, config: ServerConfig) -> None:
     from pyagent_framework.engine.llm_engine import LLMEngine
 
     tool_parser, reasoning_parser = load_parsers(config)  # before the weights load: fail fast
-    engine = AsyncLLM(LLMEngine(engine_config))
+    log = logging.getLogger("pyagent_framework")
+    server: uvicorn.Server | None = None
+
+    def exit_now() -> None:
+        log.critical("exiting: the engine is dead")
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_DEAD)  # no clean-up can be trusted to finish (the engine thread may hang)
+
+    def engine_died(error: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True  # stop accepting; open requests have their error already
+        threading.Timer(DEAD_EXIT_SECONDS, exit_now).start()
+
+    engine = AsyncLLM(LLMEngine(engine_config), step_timeout=config.step_timeout, on_dead=engine_died)
     model_name = config.served_model_name or engine_config.model or "smollm2"
     app = build_app(engine, config, model_name=model_name, tool_parser_cls=tool_parser, reasoning_parser_cls=reasoning_parser)
     logging.getLogger("pyagent_framework").info("serving %r on http://%s:%d", model_name, config.host, config.port)
@@ -66,4 +89,6 @@ def serve(engine_config, config: ServerConfig) -> None:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if engine.error is not None:
+            exit_now()
         engine.shutdown()

@@ -23,7 +23,7 @@ from pyagent_framework.server import protocol as api
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import ERROR_RESPONSES, APIError, error_body
 from pyagent_framework.server.metrics import ServerMetrics
-from pyagent_framework.server.serving import Events, OpenAIServing
+from pyagent_framework.server.serving import Events, OpenAIServing, as_api_error
 
 logger = logging.getLogger("pyagent_framework.server")
 
@@ -86,6 +86,34 @@ async def until_disconnected(request: Request, work) -> Any:
     except (asyncio.CancelledError, APIError):
         pass
     return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+class InternalErrors:
+    """ASGI middleware: an exception nothing else handled becomes a 500 in the error
+    shape, and the connection stays usable. (Starlette's own last-resort handler
+    re-raises after answering, and the HTTP server then drops the keep-alive connection.)"""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unexpected error serving %s", scope.get("path"))
+            if not started:
+                body = error_response(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+                await body(scope, receive, send)
 
 
 class Guard:
@@ -170,6 +198,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_p
     async def validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") in ("invalid_unicode", "unsupported_field"):  # a bad value, not a bad shape
+            context = first.get("ctx", {})
+            return error_response(400, first["msg"], param=context.get("where") or context.get("field"), code=first["type"])
         if first.get("type") == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), code="invalid_json")
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -181,12 +212,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_p
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow, for one
+        return response
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    app.add_middleware(InternalErrors)
 
     @app.get("/health", response_model=api.HealthResponse, responses={503: ERROR_RESPONSES[503]})
     async def health():
@@ -231,7 +261,12 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_p
 
 
 async def respond(result) -> Any:
-    out = await result
+    try:
+        out = await result
+    except APIError:
+        raise
+    except Exception as exc:  # a plugin raised while the response was built
+        raise as_api_error(exc) from None
     if isinstance(out, api.BaseModel):
         return JSONResponse(out.model_dump(mode="json"))
     return EventStream(out)

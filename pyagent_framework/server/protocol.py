@@ -12,12 +12,81 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI's API does, so newer clients keep working.
     model_config = ConfigDict(extra="ignore")
+
+
+MAX_CHECKED_DEPTH = 64
+
+# vLLM request fields this server does not implement, with the value that means "not
+# used": a request that sets one to anything else is refused (400 naming the field),
+# never served as if the field were not there.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": True,
+    "guided_whitespace_pattern": None,
+    "structural_tag": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "prompt_embeds": None,
+    "documents": None,
+    "mm_processor_kwargs": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+}
+
+
+class RequestBody(OpenAIModel):
+    """A request body: every string in it must be valid Unicode (a JSON string may
+    carry a lone surrogate such as "\\ud800", which no tokenizer can encode), and no
+    vLLM field this server does not implement may be set. Both are 400s naming where."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in UNSUPPORTED_FIELDS.items():
+                value = data.get(name, unused)
+                if value != unused and value not in (None, [], {}):
+                    raise PydanticCustomError(
+                        "unsupported_field",
+                        "{field}: this server does not implement this vLLM field; leave it out",
+                        {"field": name},
+                    )
+        _check_unicode(data, ())
+        return data
+
+
+def _check_unicode(value: Any, path: tuple, depth: int = 0) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = ".".join(str(p) for p in path) or "body"
+                raise PydanticCustomError(
+                    "invalid_unicode",
+                    "{where}: the string is not valid Unicode (a lone surrogate, {code} at character {index})",
+                    {"where": where, "code": f"\\u{ord(value[exc.start]):04x}", "index": exc.start},
+                ) from None
+    elif depth < MAX_CHECKED_DEPTH:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, path, depth + 1)
+                _check_unicode(item, (*path, key), depth + 1)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                _check_unicode(item, (*path, index), depth + 1)
 
 
 # ---------------------------------------------------------------------- errors
@@ -63,7 +132,7 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """The sampling fields both endpoints share."""
 
     n: int = 1
@@ -92,6 +161,14 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     # vLLM's extra: exactly one of json, json_object, regex, choice, grammar; optional backend
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older names for the same, mapped onto structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # vLLM's extra: the top logprobs of every prompt token (not with stream=true)
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------------- chat
@@ -200,6 +277,18 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one alternative at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (None for the first): token id -> its logprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -207,6 +296,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -272,6 +362,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -300,12 +391,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -314,7 +407,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence as Seq
@@ -20,14 +21,17 @@ from typing import Any
 from pyagent_framework.chat_templates import ChatTemplateError
 from pyagent_framework.engine.async_llm import AsyncLLM, EngineDeadError
 from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.faults import PluginCallError, call_plugin
 from pyagent_framework.engine.outputs import CompletionOutput, RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.server import protocol as api
 from pyagent_framework.server import tool_choice
 from pyagent_framework.server.config import ServerConfig
-from pyagent_framework.server.errors import APIError, error_body
+from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.metrics import RequestTracker, ServerMetrics
 from pyagent_framework.types import DeltaMessage, ToolCallDelta
+
+logger = logging.getLogger("pyagent_framework.server")
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -89,6 +93,11 @@ class OpenAIServing:
             raise APIError(400, f"at most {cfg.max_stop_strings} stop strings, got {len(stops)}", param="stop")
         if logprobs is not None and logprobs > cfg.max_logprobs:
             raise APIError(400, f"at most {cfg.max_logprobs} logprobs per token, got {logprobs}", param="logprobs")
+        if req.prompt_logprobs is not None:
+            if req.stream:
+                raise APIError(400, "prompt_logprobs cannot be streamed; ask without stream=true", param="prompt_logprobs")
+            if not 0 <= req.prompt_logprobs <= cfg.max_logprobs:
+                raise APIError(400, f"prompt_logprobs must be between 0 and {cfg.max_logprobs}, got {req.prompt_logprobs}", param="prompt_logprobs")
         bias = None
         if req.logit_bias:
             if len(req.logit_bias) > cfg.max_logit_bias:
@@ -118,6 +127,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             priority=req.priority,
             speculative=req.speculative,
@@ -165,6 +175,19 @@ class OpenAIServing:
     def structured_outputs(req: api.SamplingFields) -> dict[str, Any] | None:
         """OpenAI's ``response_format`` or vLLM's ``structured_outputs``, as the engine's
         structured-outputs mapping (checked by SamplingParams.validate)."""
+        guided = {
+            key: value
+            for key, value in (("json", req.guided_json), ("regex", req.guided_regex), ("choice", req.guided_choice), ("grammar", req.guided_grammar))
+            if value is not None
+        }
+        if guided:  # vLLM's older names
+            if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
+                raise APIError(400, "give guided_* or structured_outputs/response_format, not both", param="structured_outputs")
+            if req.guided_decoding_backend is not None:
+                guided["backend"] = req.guided_decoding_backend
+            return guided
+        if req.guided_decoding_backend is not None:
+            raise APIError(400, "guided_decoding_backend needs a guided_* field", param="guided_decoding_backend")
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return req.structured_outputs
@@ -294,6 +317,8 @@ class OpenAIServing:
             ChoiceState(
                 tool_parser=self._tool_reader(mode, req),
                 reasoning_parser=self._reasoning_reader(prompt_ids, request_dict) if reasoning else None,
+                tool_name=self.config.tool_call_parser if mode == "auto" else f"tool_choice={mode}",
+                reasoning_name=self.config.reasoning_parser or "",
             )
             for _ in range(req.n)
         ]
@@ -317,12 +342,12 @@ class OpenAIServing:
             content: str | None = output.text
             reasoning = None
             if state.reasoning_parser is not None:
-                split = state.reasoning_parser.extract(output.text, request_dict)
+                split = state.call("reasoning_parser", "extract", state.reasoning_parser.extract, output.text, request_dict)
                 reasoning, content = split.reasoning_content, split.content
             tool_calls = []
             finish_reason = output.finish_reason
             if state.tool_parser is not None:
-                extracted = state.tool_parser.extract(content or "", request_dict)
+                extracted = state.call("tool_parser", "extract", state.tool_parser.extract, content or "", request_dict)
                 content = extracted.content
                 tool_calls = [
                     api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
@@ -339,7 +364,29 @@ class OpenAIServing:
                     stop_reason=output.stop_reason,
                 )
             )
-        return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=out_choices, usage=usage(final))
+        return api.ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=out_choices, usage=usage(final), prompt_logprobs=self._prompt_logprobs(req, final)
+        )
+
+    def _prompt_logprobs(self, req: api.SamplingFields, final: RequestOutput) -> api.PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), the token's own
+        logprob and the top ``prompt_logprobs`` alternatives, keyed by token id."""
+        if req.prompt_logprobs is None or final.prompt_logprobs is None:
+            return None
+        out: api.PromptLogprobs = []
+        for position, entry in enumerate(final.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            token = final.prompt_token_ids[position]
+            out.append(
+                {
+                    str(lp.token_id): api.PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self._token_text(lp.token_id)[0])
+                    for lp in entry.values()
+                    if lp.token_id == token or lp.rank <= req.prompt_logprobs
+                }
+            )
+        return out
 
     async def _chat_stream(self, req, request_id, stream, choices, request_dict, tracker) -> AsyncIterator[str]:
         created = int(time.time())
@@ -356,6 +403,7 @@ class OpenAIServing:
         try:
             async for _, out in merge([stream], [tracker]):
                 final = out
+                check_output(out)
                 pieces = []
                 for output, state in zip(out.outputs, choices):
                     piece = self._chat_delta(req, output, state, request_dict)
@@ -363,8 +411,8 @@ class OpenAIServing:
                         pieces.append(piece)
                 if pieces:
                     yield chunk(pieces, usage(out) if continuous else None)
-        except EngineDeadError as exc:
-            yield sse(error_body(503, str(exc), code="engine_dead").model_dump_json())
+        except Exception as exc:  # the request failed: an error event, then the end of the stream
+            yield error_event(exc)
             yield sse("[DONE]")
             return
         if include_usage and final is not None:
@@ -457,7 +505,7 @@ class OpenAIServing:
                 req, max_tokens=req.max_tokens, prompt_len=len(ids), logprobs=req.logprobs, prompt_param="prompt"
             )
             if req.echo and req.logprobs is not None:
-                params.prompt_logprobs = req.logprobs
+                params.prompt_logprobs = max(req.logprobs, params.prompt_logprobs or 0)
             param_list.append(params)
         streams = []
         try:
@@ -487,6 +535,7 @@ class OpenAIServing:
                         logprobs=logprobs,
                         finish_reason=output.finish_reason,
                         stop_reason=output.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(req, final),
                     )
                 )
         return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=total_usage(finals))
@@ -508,6 +557,7 @@ class OpenAIServing:
         try:
             async for p, out in merge(streams, trackers):
                 finals[p] = out
+                check_output(out)
                 choices = []
                 for output in out.outputs:
                     index = p * req.n + output.index
@@ -532,8 +582,8 @@ class OpenAIServing:
                     )
                 if choices:
                     yield event(choices)
-        except EngineDeadError as exc:
-            yield sse(error_body(503, str(exc), code="engine_dead").model_dump_json())
+        except Exception as exc:  # the request failed: an error event, then the end of the stream
+            yield error_event(exc)
             yield sse("[DONE]")
             return
         if include_usage and finals:
@@ -573,7 +623,13 @@ class OpenAIServing:
         if req.messages is not None:
             if not req.messages:
                 raise APIError(400, "messages is empty", param="messages")
-            chat = api.ChatCompletionRequest.model_construct(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+            chat = api.ChatCompletionRequest.model_construct(
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=False,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
             tokens = self.render_messages(chat)
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -588,7 +644,8 @@ class OpenAIServing:
         return api.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     def models(self) -> api.ModelList:
-        card = api.ModelCard(id=self.model_name, created=self.created, root=self.core.model_path, max_model_len=self.max_model_len)
+        # The model's name, never where its files lie on this machine.
+        card = api.ModelCard(id=self.model_name, created=self.created, root=self.model_name, max_model_len=self.max_model_len)
         return api.ModelList(data=[card])
 
 
@@ -618,12 +675,18 @@ class ChoiceState:
 
     tool_parser: Any = None
     reasoning_parser: Any = None
+    tool_name: str | None = None  # registry names, for errors that name the parser
+    reasoning_name: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     content_text: str = ""  # the answer part, after reasoning (what the tool parser reads)
     num_logprobs: int = 0
     called_tools: bool = False
     done: bool = False
+
+    def call(self, kind: str, method: str, fn, *args) -> Any:
+        """A parser's method; an error names the parser and fails only this request."""
+        return call_plugin(kind, self.tool_name if kind == "tool_parser" else self.reasoning_name, method, fn, *args)
 
     def parse(self, delta_text: str, text: str, token_ids: Seq[int], request: Any, final: bool = False) -> DeltaMessage | None:
         """What this update adds to the message; with ``final`` also what the parsers
@@ -633,9 +696,14 @@ class ChoiceState:
             if self.tool_parser is None:
                 return DeltaMessage(content=delta_text) if delta_text else None
             return self._tools(delta_text, token_ids, delta_ids, request, final)
-        parts = [self.reasoning_parser.extract_streaming(self.text, text, delta_text, self.token_ids, token_ids, delta_ids)]
+        reasoner = self.reasoning_parser
+        parts = [
+            self.call(
+                "reasoning_parser", "extract_streaming", reasoner.extract_streaming, self.text, text, delta_text, self.token_ids, token_ids, delta_ids
+            )
+        ]
         if final:
-            parts.append(self.reasoning_parser.finish_streaming(text))
+            parts.append(self.call("reasoning_parser", "finish_streaming", reasoner.finish_streaming, text))
         message = join_deltas(parts)
         if self.tool_parser is None:
             return message
@@ -649,12 +717,16 @@ class ChoiceState:
         previous = self.content_text
         self.content_text += delta_text
         parts = []
+        parser = self.tool_parser
         if delta_text:
             parts.append(
-                self.tool_parser.extract_streaming(previous, self.content_text, delta_text, self.token_ids, token_ids, delta_ids, request)
+                self.call(
+                    "tool_parser", "extract_streaming", parser.extract_streaming,
+                    previous, self.content_text, delta_text, self.token_ids, token_ids, delta_ids, request,
+                )
             )
         if final:
-            parts.append(self.tool_parser.finish_streaming(self.content_text, request))
+            parts.append(self.call("tool_parser", "finish_streaming", parser.finish_streaming, self.content_text, request))
         message = join_deltas(parts)
         if message is not None and message.tool_calls:
             self.called_tools = True
@@ -735,11 +807,38 @@ async def collect(stream: AsyncIterator[RequestOutput], tracker: RequestTracker)
     try:
         async for _, out in merge([stream], [tracker]):
             final = out
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead") from None
+    except Exception as exc:  # the engine died, or the stream ended in an error
+        raise as_api_error(exc) from None
     if final is None or not final.finished:
         raise APIError(503, "the engine stopped before the request finished", code="engine_dead")
+    check_output(final)
     return final
+
+
+def check_output(out: RequestOutput) -> None:
+    """Raise the APIError of a request that failed in the engine: 400 when it was the
+    request's own doing (a grammar over its time budget), else 500 naming the fault."""
+    if out.error is None:
+        return
+    if out.error_kind == "invalid_request":
+        raise APIError(400, out.error, param="structured_outputs" if out.error.startswith("structured_outputs") else None)
+    raise APIError(500, out.error, code="request_failed")
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, PluginCallError):
+        return APIError(500, str(exc), code="plugin_error")
+    logger.error("a request failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def error_event(exc: BaseException) -> str:
+    """The server-sent event that tells a streaming client its request failed."""
+    return sse(as_api_error(exc).body().model_dump_json())
 
 
 async def merge(streams, trackers) -> AsyncIterator[tuple[int, RequestOutput]]:
