@@ -831,6 +831,8 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Finish queued KV saves and release the connector (when there is one)."""
+        """Finish queued KV saves and release the connector (when there is one); stop
+        the grammar compiler processes."""
+        self.structured.close()
         if self.kv_transfer is not None:
             self.kv_transfer.close()

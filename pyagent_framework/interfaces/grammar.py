@@ -42,8 +42,17 @@ class GrammarBackend(ABC):
     Built as ``cls()``. ``supported_kinds`` names the :class:`GrammarSpec` kinds it
     handles; ``compile`` raises ``ValueError`` naming the problem for a bad spec and
     ``NotImplementedError`` for a feature it does not support (so ``auto`` can fall
-    back to another backend). ``compile`` runs on a worker thread, never the engine
-    loop; it may be called from several threads at once.
+    back to another backend). ``compile`` runs off the engine loop, on a worker thread
+    or in a worker process; it may be called from several threads at once.
+
+    Optional: ``serialize(compiled) -> bytes`` and ``deserialize(data, tokenizer_info)
+    -> compiled``, the compiled grammar as bytes and back, bound to the same
+    ``TokenizerInfo`` ``compile`` was given (``deserialize`` gets one equal to it). A
+    backend with both is compiled in a worker process (the backend built there by its
+    registered name), which the engine kills when a compile runs past its timeout; the
+    bytes cross that process boundary, so they must not be a pickle. Without them,
+    compiles run on threads of the engine's process, and one that runs past its
+    timeout is abandoned, still running.
     """
 
     __required_attributes__ = ("supported_kinds",)

@@ -4,9 +4,11 @@ one matcher per request.
 Spec kinds: ``json_schema`` (a dict or JSON text), ``json_object`` (any JSON object,
 never a bare array or scalar),
 ``regex``, ``choice`` (a list of strings, compiled to an EBNF alternation) and
-``grammar`` (EBNF in xgrammar's GBNF dialect: ``root ::= ...``). A spec that is wrong
-raises ``ValueError`` naming the problem; a feature xgrammar does not support raises
-``NotImplementedError`` (so ``auto`` can try another backend). That includes the
+``grammar`` (EBNF in xgrammar's GBNF dialect: ``root ::= ...``). A compiled grammar
+serializes to xgrammar's JSON (so the engine compiles in a worker process it can
+kill on timeout). A spec that is wrong raises ``ValueError`` naming the problem; a
+feature xgrammar does not support raises ``NotImplementedError`` (so ``auto`` can
+try another backend). That includes the
 JSON-schema keywords and the regex constructs xgrammar would silently not enforce:
 :mod:`pyagent_xgrammar.schema` checks a schema first (its ``KEYWORDS`` table says
 what is honoured, rewritten or refused).
@@ -35,14 +37,15 @@ class XGrammarBackend(GrammarBackend):
     supported_kinds = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
 
     def __init__(self) -> None:
-        self._compilers: dict[int, tuple[TokenizerInfo, xgr.GrammarCompiler]] = {}
+        self._compilers: dict[int, tuple[TokenizerInfo, xgr.GrammarCompiler, xgr.TokenizerInfo]] = {}
         self._lock = threading.Lock()
 
-    def _compiler(self, info: TokenizerInfo) -> xgr.GrammarCompiler:
+    def _compiler(self, info: TokenizerInfo) -> tuple[xgr.GrammarCompiler, xgr.TokenizerInfo]:
+        """The compiler for a vocabulary, and xgrammar's table of it (grammars are bound to it)."""
         with self._lock:
             entry = self._compilers.get(id(info))
             if entry is not None and entry[0] is info:
-                return entry[1]
+                return entry[1:]
             # Special tokens decode to no text for the grammar: they can never spell
             # JSON or match a pattern (end-of-sequence is handled as a stop token).
             vocab = [b"" if i in info.special_ids else piece for i, piece in enumerate(info.vocab)]
@@ -53,13 +56,13 @@ class XGrammarBackend(GrammarBackend):
             compiler = xgr.GrammarCompiler(xgr_info, max_threads=1, cache_enabled=False)
             if len(self._compilers) >= MAX_COMPILERS:
                 self._compilers.pop(next(iter(self._compilers)))
-            self._compilers[id(info)] = (info, compiler)
-            return compiler
+            self._compilers[id(info)] = (info, compiler, xgr_info)
+            return compiler, xgr_info
 
     def compile(self, spec: GrammarSpec, tokenizer_info: TokenizerInfo) -> xgr.CompiledGrammar:
         if spec.kind not in self.supported_kinds:
             raise NotImplementedError(f"xgrammar does not handle {spec.kind!r} specs")
-        compiler = self._compiler(tokenizer_info)
+        compiler, _ = self._compiler(tokenizer_info)
         source = _source(spec)
         try:
             if spec.kind == "json_schema":
@@ -86,6 +89,14 @@ class XGrammarBackend(GrammarBackend):
 
     def memory_bytes(self, compiled: xgr.CompiledGrammar) -> int:
         return int(compiled.memory_size_bytes)
+
+    def serialize(self, compiled: xgr.CompiledGrammar) -> bytes:
+        return compiled.serialize_json().encode()
+
+    def deserialize(self, data: bytes, tokenizer_info: TokenizerInfo) -> xgr.CompiledGrammar:
+        """xgrammar checks that the vocabulary matches the one the grammar was compiled for."""
+        _, xgr_info = self._compiler(tokenizer_info)
+        return xgr.CompiledGrammar.deserialize_json(data.decode(), xgr_info)
 
 
 class XGrammarMatcher(GrammarMatcher):
