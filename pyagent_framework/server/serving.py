@@ -33,7 +33,10 @@ from pyagent_framework.types import DeltaMessage, ToolCallDelta
 
 logger = logging.getLogger("pyagent_framework.server")
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+# Template variables a request may not set: the renderer's own inputs and its limits.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "chat_template", "max_output_chars", "timeout"}
+)
 
 
 def sse(data: str) -> str:
