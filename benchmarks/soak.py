@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -85,7 +86,7 @@ async def run(server, count: int, concurrency: int, seed: int) -> dict:
 
     async def faulty(http, i: int) -> None:
         body, status = FAULTY[i % len(FAULTY)]
-        response = await http.post("/v1/chat/completions", json=body)
+        response = await http.post("/v1/chat/completions", content=json.dumps(body), headers={"Content-Type": "application/json"})
         counts["faulty"] += 1
         counts["faulty_wrong_status"] += response.status_code != status
 
