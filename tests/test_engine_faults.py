@@ -141,3 +141,37 @@ def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(p
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     finally:
         engine.shutdown()
+
+
+class SlowBackend(XGrammarBackend):
+    def compile(self, spec, tokenizer_info):
+        import time
+
+        time.sleep(0.6)
+        return super().compile(spec, tokenizer_info)
+
+
+def test_a_caller_cancelled_while_its_grammar_compiles_leaves_the_shared_compile_alone(path):
+    entry = registries.grammar_backends.register("slow-test", SlowBackend, override=True)
+    engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
+    try:
+        params = GREEDY.replace(structured_outputs={"regex": "[a-z ]{1,40}", "backend": "slow-test"})
+
+        async def run(prompt):
+            stream = await engine.add_request(prompt, params)
+            return [out async for out in stream][-1]
+
+        async def main():
+            first, second = asyncio.ensure_future(run(PROMPTS[0])), asyncio.ensure_future(run(PROMPTS[1]))
+            await asyncio.sleep(0.2)  # both wait on the same compile
+            first.cancel()
+            return await asyncio.gather(first, second, return_exceptions=True)
+
+        first, second = asyncio.run(main())
+        assert isinstance(first, asyncio.CancelledError)
+        assert second.outputs[0].finish_reason in ("length", "stop") and second.error is None
+        stats = engine.stats()
+        assert engine.is_alive and stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        engine.shutdown()
+        registries.grammar_backends.unregister(entry.name)

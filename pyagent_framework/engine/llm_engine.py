@@ -498,7 +498,7 @@ class LLMEngine:
                     self._guarded(seq, now, self._append_token, seq, result, now)
         if drafts:
             self._accept_drafts(batch, logits, drafts, now)
-        self._charge_grammar_time(batch, now)
+        self._charge_grammar_time(batch, drafts, now)
         if self.speculator is not None and decode_step:
             # A decode step's time, drafting and verifying included, prices a scored row.
             self.speculator.observe_step(time.perf_counter() - started, batch.num_tokens, len(batch.items))
@@ -651,16 +651,17 @@ class LLMEngine:
                 results.append(None)
         return results
 
-    def _charge_grammar_time(self, batch, now: float) -> None:
+    def _charge_grammar_time(self, batch, drafts: dict, now: float) -> None:
         """Fail the requests whose grammar spent more than its per-token budget
-        (``grammar_token_timeout``) on this step's tokens."""
+        (``grammar_token_timeout``) on this step's tokens (a drafted sequence's
+        matcher walks its draft too)."""
         budget = self.config.grammar_token_timeout
         for seq, _ in batch.items:
             matcher = seq.matcher
             if not isinstance(matcher, GuardedMatcher):
                 continue
             spent = matcher.take_spent()
-            tokens = 1 + len(seq.spec_tokens)
+            tokens = 1 + (len(drafts[seq.seq_id][0]) if seq.seq_id in drafts else 0)
             if spent > budget * tokens and not seq.is_finished:
                 self._fail_request(
                     self.requests[seq.request_id],
