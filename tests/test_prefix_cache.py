@@ -294,3 +294,53 @@ def test_engine_with_xxh3_128_and_unknown_hash(llama, shared_prompts):
     with pytest.raises(ConfigError) as info:
         LLM(llama, prefix_cache_hash="md5", kv_cache_memory="64MiB")
     assert info.value.field == "prefix_cache_hash" and "xxh3_128" in str(info.value)
+
+
+# --------------------------------------------------------------------------- a failing policy plugin
+
+
+class BrokenPolicy(LRUPolicy):
+    """LRU until a chosen call: then it raises, or its evict names a block in use."""
+
+    def __init__(self, capacity, *, fail_on="release", after=1, evict_in_use=None):
+        super().__init__(capacity)
+        self.fail_on, self.after, self.evict_in_use, self.calls = fail_on, after, evict_in_use, 0
+
+    def release(self, block):
+        self.calls += 1
+        if self.fail_on == "release" and self.calls > self.after:
+            raise RuntimeError("release broke")
+        super().release(block)
+
+    def evict(self):
+        if self.evict_in_use is not None:
+            return self.evict_in_use
+        return super().evict()
+
+
+def test_an_eviction_policy_that_raises_is_replaced_by_lru_and_the_cache_stays_consistent(caplog):
+    pool = BlockPool(6, BS, eviction_policy=BrokenPolicy(6, after=1), model_key="m", policy_name="broken")
+    a, b = make_seq(range(8)), make_seq(range(100, 108))
+    compute(pool, a)
+    compute(pool, b)
+    pool.free(a)  # 2 releases: the second raises, LRU takes over with both of a's blocks
+    assert pool.policy.failed and "eviction policy 'broken'" in caplog.text and "release" in caplog.text
+    pool.free(b)
+    assert pool.num_free_blocks == 6 and sorted(pool.evictable_blocks()) == [0, 1, 2, 3]
+    c = make_seq(range(8))
+    assert pool.match_prefix(c) == 4  # a's filed prefix is still found (one token left to compute)
+    big = make_seq(range(200, 220))
+    assert pool.allocate(big, 20)  # 5 blocks: the 2 free and 3 evicted, never c's block 0
+    assert 0 not in big.block_ids and len(set(big.block_ids)) == 5
+
+
+def test_an_evict_that_names_a_block_in_use_is_refused_and_lru_takes_over(caplog):
+    pool = BlockPool(3, BS, eviction_policy=BrokenPolicy(3, fail_on=None, evict_in_use=0), model_key="m", policy_name="broken")
+    a, b = make_seq(range(4)), make_seq(range(10, 14))
+    compute(pool, a)  # block 0, in use
+    compute(pool, b)  # block 1
+    pool.free(b)  # block 1 cached and evictable; block 2 free
+    c = make_seq(range(20, 28))
+    assert pool.allocate(c, 8)  # takes block 2, then must evict: the policy names block 0 (a's)
+    assert c.block_ids == [2, 1] and a.block_ids == [0]
+    assert pool.policy.failed and "not evictable" in caplog.text

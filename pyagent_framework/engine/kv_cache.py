@@ -18,11 +18,14 @@ is never evicted.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import deque
 
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import EvictionPolicy
+
+logger = logging.getLogger("pyagent_framework.engine")
 
 _HASH_DOMAIN = b"pyagent-framework kv-block v1"
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
@@ -77,14 +80,18 @@ class BlockPool:
         eviction_policy: EvictionPolicy | None = None,
         model_key: str = "",
         hash_algorithm: str = "sha256",
+        policy_name: str | None = None,
     ) -> None:
-        """``eviction_policy`` turns prefix caching on (``None``: off)."""
+        """``eviction_policy`` turns prefix caching on (``None``: off); a policy plugin
+        (``policy_name``: its registry name) that fails is replaced by LRU."""
         _hasher(hash_algorithm)  # unknown name or missing package: ValueError now, not mid-step
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = eviction_policy
+        if eviction_policy is not None and policy_name not in (None, "lru"):
+            self.policy = GuardedPolicy(eviction_policy, policy_name, self)
         self.model_key = model_key
         self.hash_algorithm = hash_algorithm
         # Blocks that hold nothing worth keeping, in reuse order.
@@ -229,6 +236,13 @@ class BlockPool:
             filed.append((digest, block))
         return filed
 
+    def evictable_blocks(self) -> list[int]:
+        """Filed blocks nobody uses: what the eviction policy may evict."""
+        return [block for block in self._hash_of if self._refs[block] == 0]
+
+    def is_evictable(self, block: object) -> bool:
+        return isinstance(block, int) and block in self._hash_of and self._refs[block] == 0
+
     def _unfile(self, block: int) -> None:
         digest = self._hash_of.pop(block)
         del self._by_hash[digest]
@@ -242,3 +256,61 @@ class BlockPool:
             "prefix_cache_evictions": self.evictions,
             "num_cached_kv_blocks": self.num_cached_blocks,
         }
+
+
+class GuardedPolicy(EvictionPolicy):
+    """An eviction-policy plugin behind a guard. The policy serves the whole engine, so
+    its failure must not fail requests: the first call that raises, or an ``evict``
+    that names a block that is not evictable (which would hand one request's blocks
+    to another), disables it, logs it by name, and the built-in LRU takes over, rebuilt
+    from the pool's evictable blocks (filed, nobody using them)."""
+
+    def __init__(self, policy: EvictionPolicy, name: str, pool: BlockPool) -> None:
+        self.policy = policy
+        self.name = name
+        self.pool = pool
+        self.failed = False
+
+    def _fall_back(self, call: str, error: BaseException | str) -> None:
+        from pyagent_framework import registries
+        from pyagent_framework.engine.faults import describe_entry
+
+        logger.error(
+            "%s failed in %s (%s); prefix caching goes on with the built-in LRU policy",
+            describe_entry("eviction_policy", self.name), call, error if isinstance(error, str) else f"{type(error).__name__}: {error}",
+        )
+        lru = registries.eviction_policies.load("lru")(self.pool.num_blocks)
+        for block in self.pool.evictable_blocks():
+            lru.release(block)
+        self.policy, self.failed = lru, True
+
+    def _call(self, call: str, *args):
+        try:
+            return getattr(self.policy, call)(*args)
+        except Exception as exc:
+            if self.failed:
+                raise  # the built-in policy itself: a bug to surface, not to hide
+            self._fall_back(call, exc)
+            return getattr(self.policy, call)(*args)
+
+    def insert(self, block: int) -> None:
+        self._call("insert", block)
+
+    def touch(self, block: int) -> None:
+        self._call("touch", block)
+
+    def release(self, block: int) -> None:
+        self._call("release", block)
+
+    def remove(self, block: int) -> None:
+        self._call("remove", block)
+
+    def evict(self) -> int:
+        block = self._call("evict")
+        if not self.failed and not self.pool.is_evictable(block):
+            self._fall_back("evict", f"it chose block {block!r}, which is not evictable")
+            block = self.policy.evict()
+        return block
+
+    def __len__(self) -> int:
+        return int(self._call("__len__"))

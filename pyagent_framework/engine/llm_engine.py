@@ -120,6 +120,7 @@ class LLMEngine:
                 eviction_policy=policy,
                 model_key=self.model_path if self.model_identity is None else self.model_identity.hex(),
                 hash_algorithm=config.prefix_cache_hash,
+                policy_name=config.eviction_policy,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), field="prefix_cache_hash") from None
