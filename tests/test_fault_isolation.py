@@ -144,6 +144,14 @@ def test_a_grammar_matcher_that_raises_fails_only_its_request(server):
     # Streamed: an error event, then [DONE].
     data = events(server, "/v1/chat/completions", faulty)
     assert data[-1] == "[DONE]" and "accept_tokens" in json.loads(data[-2])["error"]["message"]
+    # A 500 keeps its keep-alive connection: the next request goes on the same one.
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    for body, status in ((faulty, 500), (calm, 200)):
+        connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        assert response.status == status and not response.will_close
+    connection.close()
     still_serves(server)
 
 
@@ -170,6 +178,34 @@ def test_a_pattern_whose_matching_cost_grows_without_bound_is_refused_at_once(se
     assert answer["error"]["param"].startswith("structured_outputs")
     assert time.time() - started < 5
     still_serves(server)
+
+
+def test_a_compile_past_its_timeout_is_stopped_not_left_burning_cpu(server):
+    # About 4 s of compiling and 8 s of serializing on SmolLM2's vocabulary: past the 5 s limit.
+    regex = "".join(f"[a-{chr(ord('z') - i)}0-9]{{1,2000}}" for i in range(8))
+    status, answer = server.post_json("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 8, "structured_outputs": {"regex": regex}})
+    assert status == 400 and "5 s limit" in answer["error"]["message"], answer
+    time.sleep(0.5)
+    before = cpu_seconds(server.process.pid)
+    time.sleep(2.0)
+    assert cpu_seconds(server.process.pid) - before < 0.5  # idle: nothing compiles on
+    still_serves(server)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its live children (the grammar workers)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for p in [pid, *map(int, children)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def test_a_grammar_over_its_per_token_budget_fails_its_request_and_metrics_stay_live(server):
