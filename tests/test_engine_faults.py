@@ -12,6 +12,7 @@ import pytest
 
 from pyagent_framework import LLM, AsyncLLM, SamplingParams, registries
 from pyagent_framework.engine.faults import ModelForwardError
+from pyagent_framework.testing.kv import MemoryConnector
 from pyagent_framework.types import Draft
 from pyagent_xgrammar.backend import XGrammarBackend, XGrammarMatcher
 from tests.tiny_models import tiny_checkpoint
@@ -175,3 +176,49 @@ def test_a_caller_cancelled_while_its_grammar_compiles_leaves_the_shared_compile
     finally:
         engine.shutdown()
         registries.grammar_backends.unregister(entry.name)
+
+
+class SlowStore(MemoryConnector):
+    """A shared in-memory store whose loads take 0.3 s: a transfer to be caught in flight."""
+
+    def get(self, keys):
+        import time
+
+        time.sleep(0.3)
+        return super().get(keys)
+
+
+def test_a_caller_cancelled_while_its_kv_blocks_load_frees_them(path):
+    store: dict = {}
+    entry = registries.kv_connectors.register("slow-store-test", SlowStore, override=True)
+    options = dict(
+        model=path, kv_cache_memory="16MiB", max_model_len=128, block_size=4, attention_backend="torch", quantization="none",
+        kv_connector="slow-store-test", kv_connector_config={"shared": store},
+    )
+    prompt = PROMPTS[0] + " " + PROMPTS[2]
+    try:
+        first = LLM(**options)  # fills the store with the prompt's blocks
+        first.generate([prompt], GREEDY)
+        first.close()
+        assert store
+        engine = AsyncLLM.from_args(**options)
+        try:
+
+            async def main():
+                task = asyncio.ensure_future(engine.add_request(prompt, GREEDY))
+                stream = await task
+                await asyncio.sleep(0.1)  # the step that loads its blocks from the store is under way
+                await stream.aclose()
+                await asyncio.sleep(0.6)
+                stream = await engine.add_request(PROMPTS[1], GREEDY)
+                return [out async for out in stream][-1]
+
+            final = asyncio.run(main())
+            stats = engine.stats()
+            assert engine.is_alive and final.outputs[0].finish_reason == "length"
+            assert stats["kv_connector_loaded_blocks"] >= 1  # the transfer happened, and was cut short by the abort
+            assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+        finally:
+            engine.shutdown()
+    finally:
+        registries.kv_connectors.unregister(entry.name)
