@@ -552,7 +552,7 @@ class LLMEngine:
             kept = self.speculator.mask_for_grammar(
                 seq, rows, draft, lambda row, matchers: self.structured.apply_masks(row, matchers, self.layer_ops)
             )
-            if seq.matcher.error is not None:
+            if getattr(seq.matcher, "error", None) is not None:  # its fill_bitmask raised
                 raise seq.matcher.error
             rows, probs = rows[: len(kept) + 1], None if probs is None else probs[: len(kept)]
             draft = kept

@@ -277,7 +277,7 @@ class OpenAIServing:
     def _tool_reader(self, mode: str | None, req: api.ChatCompletionRequest):
         """A fresh reader of one choice's output for tool calls (None: plain text)."""
         if mode == "auto":
-            return self.tool_parser_cls(self.tokenizer)
+            return call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
         if mode == "required":
             return tool_choice.RequiredToolCalls()
         if mode == "named":
@@ -287,8 +287,9 @@ class OpenAIServing:
     def _reasoning_reader(self, prompt_ids: list[int], request_dict: dict[str, Any]):
         if self.reasoning_parser_cls is None:
             return None
-        parser = self.reasoning_parser_cls(self.tokenizer)
-        parser.prepare(prompt_ids, request_dict)
+        name = self.config.reasoning_parser
+        parser = call_plugin("reasoning_parser", name, "__init__", self.reasoning_parser_cls, self.tokenizer)
+        call_plugin("reasoning_parser", name, "prepare", parser.prepare, prompt_ids, request_dict)
         return parser
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
@@ -335,7 +336,8 @@ class OpenAIServing:
     def _adjusted(self, req: api.ChatCompletionRequest) -> api.ChatCompletionRequest:
         """The request as the tool parser wants it (e.g. special tokens kept)."""
         before = req.model_dump()
-        after = self.tool_parser_cls(self.tokenizer).adjust_request(dict(before))
+        parser = call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
+        after = call_plugin("tool_parser", self.config.tool_call_parser, "adjust_request", parser.adjust_request, dict(before))
         updates = {k: v for k, v in after.items() if k in type(req).model_fields and v != before.get(k)}
         return req.model_copy(update=updates) if updates else req
 
