@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+from contextlib import closing
 
 import pytest
 import torch
@@ -122,8 +123,7 @@ def test_a_serialized_grammar_masks_like_the_one_compiled_here(kind, value):
 
 
 def test_a_worker_compiles_what_this_process_would():
-    m = small_manager()
-    try:
+    with closing(small_manager()) as m:
         grammar = m.submit(StructuredOutputsParams(json=SCHEMA)).result(120)
         assert grammar.backend_name == "xgrammar" and worker_pids(m)  # compiled in a worker
         info = m._tokenizer_info()
@@ -142,13 +142,10 @@ def test_a_worker_compiles_what_this_process_would():
                 m.submit(spec).result(30)
             assert str(caught.value) == expected and caught.value.param == "structured_outputs"
         assert m.stats()["grammar_compile_errors"] == 2 and len(worker_pids(m)) == 1  # the worker stays
-    finally:
-        m.close()
 
 
 def test_a_compile_past_its_timeout_is_killed_and_the_next_one_gets_a_fresh_worker():
-    m = wide_manager(compile_timeout=0.5)
-    try:
+    with closing(wide_manager(compile_timeout=0.5)) as m:
         [pid] = worker_pids(m)
         started = time.perf_counter()
         with pytest.raises(InvalidRequestError, match=r"compiling the regex took longer than the 0.5 s limit \(grammar_compile_timeout\)"):
@@ -159,13 +156,10 @@ def test_a_compile_past_its_timeout_is_killed_and_the_next_one_gets_a_fresh_work
         assert stats["grammar_compile_timeouts"] == 1 and stats["grammar_compiling"] == 0 and m._abandoned == 0
         assert m.submit(StructuredOutputsParams(regex="[cd]+")).result(120).backend_name == "xgrammar"
         assert worker_pids(m) and pid not in worker_pids(m)
-    finally:
-        m.close()
 
 
 def test_a_worker_killed_mid_compile_fails_that_compile_and_is_replaced():
-    m = wide_manager(compile_timeout=60)
-    try:
+    with closing(wide_manager(compile_timeout=60)) as m:
         [pid] = worker_pids(m)
         future = m.submit(StructuredOutputsParams(regex=SLOW_REGEX))
         time.sleep(0.5)  # the compile is under way
@@ -175,8 +169,6 @@ def test_a_worker_killed_mid_compile_fails_that_compile_and_is_replaced():
         assert m.stats()["grammar_compile_errors"] == 1 and m.stats()["grammar_compile_timeouts"] == 0
         assert m.submit(StructuredOutputsParams(regex="[cd]+")).result(120).backend_name == "xgrammar"
         assert worker_pids(m) and pid not in worker_pids(m)
-    finally:
-        m.close()
 
 
 def test_close_kills_every_worker_busy_or_idle_and_so_does_dropping_the_manager():

@@ -22,6 +22,7 @@ import logging
 import struct
 from collections import deque
 
+from pyagent_framework.engine.faults import describe_entry
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import EvictionPolicy
 
@@ -273,7 +274,6 @@ class GuardedPolicy(EvictionPolicy):
 
     def _fall_back(self, call: str, error: BaseException | str) -> None:
         from pyagent_framework import registries
-        from pyagent_framework.engine.faults import describe_entry
 
         logger.error(
             "%s failed in %s (%s); prefix caching goes on with the built-in LRU policy",

@@ -151,7 +151,6 @@ class LLMEngine:
         self.num_request_errors = 0  # requests failed by a fault of their own (plugin, budget)
         self._failed: list[str] = []  # this step's failed requests, reported with its outputs
         self._step_requests: set[str] | None = None  # the requests of the step under way, once scheduled
-        self._tokenizer_name = config.tokenizer if config.tokenizer in registries.tokenizers else "hf"
 
     @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -167,6 +166,7 @@ class LLMEngine:
             else:
                 name, path = "hf", config.tokenizer
         cls = loader.load_entry(registries.tokenizers, name, "tokenizer")
+        self._tokenizer_name = name  # the registry entry, for errors that name it
         try:
             return cls.from_pretrained(path)
         except (OSError, ValueError) as exc:
