@@ -236,6 +236,19 @@ def test_template_bombs_are_400s_and_the_server_stays_small(server):
         assert status == 400 and words in answer["error"]["message"], answer
         assert time.time() - started < 10
     assert rss_kib(server) - before < 300 * 1024  # not the 22 GB it took
+    # A template that loops until its time limit holds a worker thread, not the event
+    # loop: the server answers others meanwhile.
+    spin = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    result = {}
+    body = {"messages": QUESTION, "max_tokens": 4, "chat_template": spin}
+    thread = threading.Thread(target=lambda: result.update(answer=server.post_json("/v1/chat/completions", body)))
+    thread.start()
+    time.sleep(0.3)
+    started = time.time()
+    assert server.get("/health")[0] == 200 and time.time() - started < 0.5
+    thread.join()
+    status, answer = result["answer"]
+    assert status == 400 and "longer than" in answer["error"]["message"], answer
     still_serves(server)
 
 

@@ -251,7 +251,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_p
 
     @app.post("/tokenize", response_model=api.TokenizeResponse)
     async def tokenize(body: api.TokenizeRequest):
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", response_model=api.DetokenizeResponse)
     async def detokenize(body: api.DetokenizeRequest):

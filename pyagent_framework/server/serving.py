@@ -206,6 +206,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ prompts
 
+    async def render(self, req: api.ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt ids. A template sent with the request renders on a
+        worker thread: for up to its time limit it holds that thread, not the event loop
+        every other response goes through."""
+        if req.chat_template is None:
+            return self.render_messages(req)
+        return await asyncio.to_thread(self.render_messages, req)
+
     def render_messages(self, req: api.ChatCompletionRequest) -> list[int]:
         if req.chat_template is not None and not self.config.trust_request_chat_template:
             raise APIError(
@@ -299,7 +307,7 @@ class OpenAIServing:
         mode, schema = self._tool_mode(req)
         if mode == "auto":
             req = self._adjusted(req)
-        prompt_ids = self.render_messages(req)
+        prompt_ids = await self.render(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(
@@ -621,7 +629,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ tokens
 
-    def tokenize(self, req: api.TokenizeRequest) -> api.TokenizeResponse:
+    async def tokenize(self, req: api.TokenizeRequest) -> api.TokenizeResponse:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -635,7 +643,7 @@ class OpenAIServing:
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
-            tokens = self.render_messages(chat)
+            tokens = await self.render(chat)
         else:
             tokens = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return api.TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
