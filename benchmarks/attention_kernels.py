@@ -98,7 +98,7 @@ def timings(ours, sdpa) -> dict:
 
 
 def decode_case(model, batch, seq, dtype, generator):
-    from pyagent_framework.builtins.torch_attention import TorchAttention
+    from pyagent_framework.paged_attention import TorchAttention, attention_plan
     from pyagent_framework.types import AttentionMetadata
     from pyagent_triton.attention import paged_attention_decode
 
@@ -120,9 +120,7 @@ def decode_case(model, batch, seq, dtype, generator):
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=seq_lens, block_tables=tables, block_size=BLOCK, max_query_len=1, max_seq_len=seq,
     )
-    from pyagent_framework.builtins.torch_attention import _plan
-
-    decode = _plan(metadata, cache.device).decode
+    decode = attention_plan(metadata, cache.device).decode
     torch_backend = lambda: backend.decode_attention(q, cache, decode)  # noqa: E731
 
     reference = sdpa().view(batch, heads, dim).float()

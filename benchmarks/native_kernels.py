@@ -169,7 +169,7 @@ def bench_quantized(repeat: int, threads: int) -> None:
 
 
 def bench_attention(repeat: int) -> None:
-    from pyagent_framework.builtins.torch_attention import DecodeBatch, TorchAttention
+    from pyagent_framework.paged_attention import DecodeBatch, TorchAttention
     from pyagent_native.attention import NativeAttention
 
     heads, kv_heads, head_size, block_size, seqs = 9, 3, 64, 16, 64

@@ -244,8 +244,8 @@ def bench_masks(backend_names: list[str], batches: list[int], walks: int) -> dic
     from pyagent_framework import registries
     from pyagent_framework.engine import loader
     from pyagent_framework.engine.params import StructuredOutputsParams
-    from pyagent_framework.engine.structured import (StructuredOutputManager, apply_token_bitmask, bitmask_words,
-                                                     tokenizer_info)
+    from pyagent_framework.engine.structured import StructuredOutputManager, tokenizer_info
+    from pyagent_framework.interfaces import apply_token_bitmask, bitmask_words
     from pyagent_framework.types import GrammarSpec
 
     path = loader.resolve_model("smollm2")
@@ -412,19 +412,20 @@ class PhaseTimer:
 
 
 def use_mask_kernel(arm: str) -> None:
-    """For the ``--xgrammar-kernel-arm`` diagnostic: the engine's mask step calls the
-    module-level ``apply_token_bitmask``; that arm swaps in xgrammar's CPU kernel (same
-    result, no OpenMP region), every other arm runs the engine's own."""
-    from pyagent_framework.engine import structured
+    """For the ``--xgrammar-kernel-arm`` diagnostic: the engine's mask step (the plain
+    ``LayerOps``) calls the module-level ``interfaces.grammar.apply_token_bitmask``; that
+    arm swaps in xgrammar's CPU kernel (same result, no OpenMP region), every other arm
+    runs the engine's own."""
+    from pyagent_framework.interfaces import grammar
 
     if not hasattr(use_mask_kernel, "engine_kernel"):
-        use_mask_kernel.engine_kernel = structured.apply_token_bitmask
+        use_mask_kernel.engine_kernel = grammar.apply_token_bitmask
     if arm == XGRAMMAR_KERNEL_ARM:
         import xgrammar
 
-        structured.apply_token_bitmask = lambda logits, bitmask: xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+        grammar.apply_token_bitmask = lambda logits, bitmask: xgrammar.apply_token_bitmask_inplace(logits, bitmask)
     else:
-        structured.apply_token_bitmask = use_mask_kernel.engine_kernel
+        grammar.apply_token_bitmask = use_mask_kernel.engine_kernel
 
 
 def bench_decode(backend_names: list[str], batches: list[int], max_tokens: int, repeats: int, model: str | None,

@@ -7,6 +7,10 @@ until an entry is loaded by name.
 """
 
 from pyagent_framework.hookspecs import hookimpl
+
+# Importing the plugin loader installs plugin discovery into the registries, which
+# cannot import the loader themselves (it sits a layer above them; tests/test_layers.py).
+# Python runs this file before any submodule, so every registry read discovers plugins.
 from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"

@@ -47,6 +47,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatt
 from jinja2.utils import Namespace
 from markupsafe import Markup
 
+from pyagent_framework.builtins import templates_dir
 from pyagent_framework.interfaces import ChatTemplateSource
 
 #: The most characters a render may produce; no value built while rendering may be
@@ -675,10 +676,16 @@ def _render(template: Any, variables: dict[str, Any], max_chars: int, seconds: f
         _limits.reset(reset)
 
 
-def templates_dir() -> Path:
-    """Where the built-in templates live: inside the wheel, or the source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_data" / "templates", here.parent / "templates"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"pyagent_framework templates not found beside {here}")
+class _BuiltinTemplates:
+    """The built-in templates (``templates/chat/<name>.jinja``) as attributes: the lazy
+    registry targets ``pyagent_framework.chat_templates:builtin_templates.<name>`` that
+    :mod:`pyagent_framework.builtins` registers."""
+
+    def __getattr__(self, name: str) -> ChatTemplate:
+        path = templates_dir() / "chat" / f"{name}.jinja"
+        if name.startswith("__") or not path.is_file():
+            raise AttributeError(f"no built-in chat template {name!r} in {path.parent}")
+        return ChatTemplate(name, path=path)
+
+
+builtin_templates = _BuiltinTemplates()

@@ -38,7 +38,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from pyagent_framework import hookspecs
+from pyagent_framework import hookspecs, registries
+from pyagent_framework.errors import PluginLoadError, PluginWarning
 from pyagent_framework.registry import Entry, Provider, Registry
 
 #: Version of the plugin contract (hook specs, interfaces, types) this kernel provides.
@@ -56,14 +57,6 @@ ENV_STRICT = "PYAGENT_STRICT_PLUGINS"
 ENV_TRACE = "PYAGENT_TRACE_PLUGINS"
 
 _TRUE = {"1", "true", "yes", "on"}
-
-
-class PluginWarning(UserWarning):
-    """A plugin was skipped; the message names its distribution and the reason."""
-
-
-class PluginLoadError(RuntimeError):
-    """A plugin failed to load while ``PYAGENT_STRICT_PLUGINS=1``."""
 
 
 @dataclass
@@ -156,6 +149,10 @@ def reload() -> None:
         ensure_loaded()
 
 
+# Every registry read now discovers plugins first (see pyagent_framework.registries).
+registries.set_discovery(ensure_loaded)
+
+
 def plugin_manager() -> pluggy.PluginManager:
     """The pluggy manager holding every loaded plugin."""
     ensure_loaded()
@@ -179,9 +176,7 @@ class _Candidate:
 
 
 def _registration_hooks() -> dict[str, Registry]:
-    from pyagent_framework.registries import REGISTRIES
-
-    return {f"pyagent_register_{reg_plural}": reg for reg_plural, reg in REGISTRIES.items()}
+    return {f"pyagent_register_{reg_plural}": reg for reg_plural, reg in registries.REGISTRIES.items()}
 
 
 def _new_manager() -> _PluginManager:
@@ -259,9 +254,7 @@ def _report(message: str) -> None:
 
 def _load_all() -> None:
     global _manager, _infos
-    from pyagent_framework.registries import REGISTRIES
-
-    for registry in REGISTRIES.values():
+    for registry in registries.REGISTRIES.values():
         registry.clear(lambda entry: entry.provider.plugin != "<runtime>")
     pm = _new_manager()
     hooks = _registration_hooks()

@@ -3,17 +3,41 @@
     from pyagent_framework import registries
     registries.tool_parsers.load("hermes")
     registries.eviction_policies.names()
+
+Discovery belongs to the plugin loader (:mod:`pyagent_framework.plugins`), which sits
+above this module: importing the loader installs its ``ensure_loaded`` here with
+:func:`set_discovery`, and the package root imports the loader, so any use of a
+registry finds it installed. This module never imports the loader.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pyagent_framework import interfaces
-from pyagent_framework.plugins import ensure_loaded
 from pyagent_framework.registry import Registry
 
 
+def _nothing_to_discover() -> None:
+    """Until the plugin loader installs itself (it does when imported)."""
+
+
+_discover: Callable[[], None] = _nothing_to_discover
+
+
+def set_discovery(discover: Callable[[], None]) -> None:
+    """Install the function every registry calls before a read (the plugin loader's
+    ``ensure_loaded``: cheap once plugins are loaded)."""
+    global _discover
+    _discover = discover
+
+
+def _ensure_loaded() -> None:
+    _discover()
+
+
 def _registry(kind: str, interface: type) -> Registry:
-    return Registry(kind, interface, ensure_loaded=ensure_loaded)
+    return Registry(kind, interface, ensure_loaded=_ensure_loaded)
 
 
 tokenizers = _registry("tokenizer", interfaces.Tokenizer)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from pyagent_framework.builtins.torch_attention import TorchAttention, _plan
 from pyagent_framework.interfaces import LayerOps
+from pyagent_framework.paged_attention import TorchAttention, attention_plan
 from pyagent_framework.types import AttentionMetadata
 
 from pyagent_triton import runtime
@@ -79,7 +79,7 @@ class TritonAttention(TorchAttention):
         num_tokens = query.shape[0]
         if num_tokens == 0 or not kv_cache.numel() or not runtime.usable(kv_cache):
             return super().forward(query, key, value, kv_cache, metadata)
-        plan = _plan(metadata, kv_cache.device)
+        plan = attention_plan(metadata, kv_cache.device)
         if plan.keep is not None:  # some keys are not written: the torch path attends them directly
             return super().forward(query, key, value, kv_cache, metadata)
         attention, ops = _kernels()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyagent_triton import ops
 
-from pyagent_framework.engine.structured import apply_token_bitmask
+from pyagent_framework.interfaces import apply_token_bitmask
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -36,7 +36,7 @@ def random_bitmask(rows, vocab, seed=0):
 
 
 def structured_masked(logits, bitmask):
-    """``structured.apply_token_bitmask`` (a CPU function) applied to a copy."""
+    """``interfaces.apply_token_bitmask`` (a CPU function) applied to a copy."""
     out = logits.to("cpu", copy=True)
     apply_token_bitmask(out, bitmask.cpu())
     return out.to(logits.device)
@@ -263,7 +263,7 @@ def test_bitmask_matches_twin_and_structured(vocab, dtype):
 
 
 def test_bitmask_twin_matches_structured_torch_path():
-    """structured.apply_token_bitmask's torch (non-numpy) path, on a strided view."""
+    """interfaces.apply_token_bitmask's torch (non-numpy) path, on a strided view."""
     base = randn(3, 140)
     logits = base[:, 5:105]
     bitmask = random_bitmask(3, 100)

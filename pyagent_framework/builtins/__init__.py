@@ -1,6 +1,8 @@
 """The kernel's own entries. They register through the same plugin manager as any
 third-party plugin (see :data:`pyagent_framework.plugins.DEFAULT_PLUGINS`)."""
 
+from pathlib import Path
+
 from pyagent_framework.hookspecs import hookimpl
 
 PYAGENT_API = ">=1.0,<2"
@@ -19,7 +21,7 @@ def pyagent_register_eviction_policies(register):
 def pyagent_register_attention_backends(register):
     register(
         "torch",
-        "pyagent_framework.builtins.torch_attention:TorchAttention",
+        "pyagent_framework.paged_attention:TorchAttention",
         description="reference paged attention in plain torch (SDPA per sequence, batched decode)",
     )
 
@@ -45,7 +47,20 @@ def pyagent_register_quantizers(register):
 
 @hookimpl
 def pyagent_register_chat_templates(register):
-    from pyagent_framework.chat_templates import ChatTemplate, templates_dir
-
+    # Lazy targets: the renderer (pyagent_framework.chat_templates) is front end, a layer
+    # above this one, and is imported when a template is first loaded.
     for path in sorted((templates_dir() / "chat").glob("*.jinja")):
-        register(path.stem, ChatTemplate(path.stem, path=path), description=f"templates/chat/{path.name}")
+        register(
+            path.stem,
+            f"pyagent_framework.chat_templates:builtin_templates.{path.stem}",
+            description=f"templates/chat/{path.name}",
+        )
+
+
+def templates_dir() -> Path:
+    """Where the built-in templates live: inside the wheel, or the source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "_data" / "templates", package.parent / "templates"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"pyagent_framework templates not found beside {package}")

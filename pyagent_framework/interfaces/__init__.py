@@ -9,7 +9,7 @@ from pyagent_framework.interfaces._check import missing_members, required_member
 from pyagent_framework.interfaces.attention import AttentionBackend, LayerOps, layer_ops
 from pyagent_framework.interfaces.chat_template import ChatTemplateSource
 from pyagent_framework.interfaces.eviction import EvictionPolicy
-from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher
+from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher, apply_token_bitmask, bitmask_words
 from pyagent_framework.interfaces.kv_connector import KVConnector
 from pyagent_framework.interfaces.model import ModelArchitecture
 from pyagent_framework.interfaces.proposer import Proposer
@@ -35,6 +35,8 @@ __all__ = [
     "Tokenizer",
     "ToolParser",
     "WeightFormat",
+    "apply_token_bitmask",
+    "bitmask_words",
     "layer_ops",
     "missing_members",
     "required_members",

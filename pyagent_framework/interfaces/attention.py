@@ -91,7 +91,7 @@ class LayerOps:
         packed ``int32`` ``[rows, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32``
         allows token ``t``); row ``r`` masks ``logits[indices[r]]``, or ``logits[r]``
         when ``indices`` is None."""
-        from pyagent_framework.engine.structured import apply_token_bitmask
+        from pyagent_framework.interfaces.grammar import apply_token_bitmask
 
         if indices is None:
             apply_token_bitmask(logits, bitmask)

@@ -10,6 +10,34 @@ from pyagent_framework.types import GrammarSpec, TokenizerInfo
 DEFAULT_COMPILED_BYTES = 1 << 20
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """``int32`` words in one bitmask row (see :class:`GrammarMatcher`) for ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: Any, bitmask: Any) -> None:
+    """In place: set to -inf every logit whose bit is clear. ``logits`` is
+    ``[batch, vocab]``, ``bitmask`` packed ``int32`` ``[batch, ceil(vocab / 32)]``
+    (bit ``t % 32`` of word ``t // 32`` allows token ``t``). The plain definition of
+    :meth:`LayerOps.apply_token_bitmask <pyagent_framework.interfaces.LayerOps.apply_token_bitmask>`."""
+    import sys
+
+    import numpy as np
+    import torch
+
+    batch, vocab = logits.shape
+    if sys.byteorder == "little" and logits.device.type == "cpu" and logits.is_contiguous():
+        # numpy's single-threaded loops: torch's ops here would each open an OpenMP
+        # region whose spinning workers then slow the next forward pass (2 cores).
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little")
+        np.putmask(logits.numpy(), bits == 0, -np.inf)
+        return
+    bitmask = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(batch, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 class GrammarMatcher(ABC):
     """Per-request state of a compiled grammar.
 

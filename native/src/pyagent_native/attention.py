@@ -5,7 +5,7 @@ The torch backend's decode gathers every sequence's blocks into a contiguous
 workspace on every layer before calling SDPA, so a decode step moves the live KV cache
 three times (read, write, read again). The kernel reads each block once, where it
 lies. Everything else (cache writes, prefill and chunked prefill, mixed batches) is
-inherited from :class:`~pyagent_framework.builtins.torch_attention.TorchAttention`,
+inherited from :class:`~pyagent_framework.paged_attention.TorchAttention`,
 which is also this kernel's reference twin in the tests.
 
 The kernel serves float32 caches on the CPU; any other device or dtype falls back to
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pyagent_framework.builtins.torch_attention import DecodeBatch, TorchAttention
+from pyagent_framework.paged_attention import DecodeBatch, TorchAttention
 
 from pyagent_native import _core
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pyagent_framework.builtins.torch_attention import _plan
+from pyagent_framework.paged_attention import attention_plan
 
 from pyagent_native import _core
 
@@ -90,7 +90,7 @@ class FusedDecoder:
         batch is pure decode on the CPU; returns False (nothing done) otherwise."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
             return False
-        plan = _plan(metadata, x.device)
+        plan = attention_plan(metadata, x.device)
         if not plan.pure_decode or x.shape[0] == 0:
             return False
         decode = plan.decode

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 from pyagent_framework import hookimpl
-from pyagent_framework.plugins import PluginWarning
+from pyagent_framework.errors import PluginWarning
 
 # The pyagent_framework plugin API versions this plugin works with.
 PYAGENT_API = ">=1.0,<2"

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pyagent_framework import registries
-from pyagent_framework.engine.config import parse_size
 from pyagent_framework.interfaces import KVConnector
+from pyagent_framework.sizes import parse_size
 
 logger = logging.getLogger("pyagent_kv_disk")
 

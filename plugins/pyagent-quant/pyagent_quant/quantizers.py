@@ -119,9 +119,9 @@ class GGUFQuantizer(Quantizer):
             from pyagent_native.linear import NativeLinear
 
             return NativeLinear(weight, bias)
-        from pyagent_framework.builtins.unquantized import UnquantizedLinear
+        from pyagent_framework import registries
 
-        return UnquantizedLinear(weight, bias)
+        return registries.quantizers.load("none")().make_linear(weight, bias)  # the kernel's float linear
 
     def make_embedding(self, packed: PackedWeight) -> PackedEmbedding:
         return PackedEmbedding(packed)
