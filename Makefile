@@ -36,8 +36,17 @@ demo: install
 	$(VENV)/bin/pyagent generate --chat --prompt "$(QUESTION)" --max-tokens 64
 	$(PY) -m pyagent_framework.server.process "$(QUESTION)" --max-tokens 64
 
+# The engine and server tests run twice: with the engine core in the test's process
+# (every test), then in a process of its own, as users run it (tests that read the
+# core's state are marked core_state and run in the first pass only).
+ENGINE_PROCESS_TESTS := tests/test_engine_requests.py tests/test_engine_parity.py tests/test_engine_faults.py \
+	tests/test_async_llm.py tests/test_structured_outputs.py tests/test_speculative.py tests/test_prefix_cache.py \
+	tests/test_smollm2.py tests/test_server_api.py tests/test_server_openai.py tests/test_tool_calls_smollm2.py \
+	tests/test_fault_isolation.py tests/test_cli_generate.py plugins/pyagent-spec/tests/test_engine.py
+
 test: install
 	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q
+	PYAGENT_STRICT_PLUGINS=1 PYAGENT_ENGINE_PROCESS=1 $(PY) -m pytest -q $(ENGINE_PROCESS_TESTS)
 
 # A throwaway redis-server on a free loopback port (foreground; Ctrl-C stops it), for
 # trying --kv-connector redis: its URL is printed first.

@@ -1,9 +1,11 @@
-"""Helpers the benchmark scripts share: percentiles, and how busy the rest of the
-machine was while a phase ran (figures taken while other work runs are skewed)."""
+"""Helpers the benchmark scripts share: percentiles, calling from a fresh thread, and
+how busy the rest of the machine was while a phase ran (figures taken while other
+work runs are skewed)."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -52,3 +54,21 @@ class OtherLoad:
         """``stop()``, with the load averages at both ends."""
         share = self.stop()
         return {"other_cpu_share": share, "loadavg_start": self.loadavg0, "loadavg_end": self.loadavg1}
+
+
+def in_worker_thread(fn):
+    """Call ``fn()`` in a fresh thread (as a server's engine loop runs) and return its result."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="benchmark-call")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

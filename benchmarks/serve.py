@@ -42,10 +42,9 @@ import multiprocessing
 import os
 import platform
 import sys
-import threading
 import time
 
-from machine_load import OtherLoad, percentile  # benchmarks/, the script's own folder
+from machine_load import OtherLoad, in_worker_thread, percentile  # benchmarks/, the script's own folder
 
 OVERHEAD_GOAL = 0.15
 WARMUP_TOKENS = 4
@@ -186,24 +185,6 @@ def summarize_server(rounds: list[list[dict]], max_tokens: int) -> dict:
 
 
 # ---------------------------------------------------------------------- offline
-
-
-def in_worker_thread(fn):
-    """Call ``fn()`` in a fresh thread (as the server's engine loop runs) and return its result."""
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="offline-generate")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def run_offline(model: str, rounds: list[list[str]], max_tokens: int, engine_args: dict, threads: list[str]) -> dict:

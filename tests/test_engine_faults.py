@@ -58,6 +58,7 @@ def alone(llm):
     return [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.core_state
 def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alone):
     entry = registries.grammar_backends.register("raising-test", RaisingBackend, override=True)
     try:
@@ -69,10 +70,11 @@ def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alon
     failed = outs[1]
     assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error_kind == "internal"
     assert "grammar backend 'raising-test'" in failed.error and "fill_bitmask" in failed.error and "no mask today" in failed.error
-    assert llm.engine.stats()["num_free_kv_blocks"] == llm.engine.pool.num_blocks
+    assert llm.engine.stats()["num_free_kv_blocks"] == llm.engine.core.pool.num_blocks
     assert llm.engine.stats()["num_request_errors"] >= 1
 
 
+@pytest.mark.core_state
 def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone):
     entry = registries.proposers.register("picky-test", PickyProposer, override=True)
     try:
@@ -84,11 +86,13 @@ def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone)
     assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
     assert outs[1].outputs[0].finish_reason == "error"
     assert "proposer 'picky-test'" in outs[1].error and "token 42 is not welcome" in outs[1].error
-    assert spec.engine.pool.num_free_blocks == spec.engine.pool.num_blocks
+    assert spec.engine.core.pool.num_free_blocks == spec.engine.core.pool.num_blocks
 
 
+@pytest.mark.core_state
 def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
-    original = llm.engine._advance
+    updater = llm.engine.core.updater
+    original = updater._advance
     calls = {"n": 0}
 
     def broken_once(batch):
@@ -97,19 +101,20 @@ def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(l
             raise KeyError("lost a block")
         return original(batch)
 
-    monkeypatch.setattr(llm.engine, "_advance", broken_once)
+    monkeypatch.setattr(updater, "_advance", broken_once)
     outs = llm.generate(PROMPTS[:2], GREEDY)
     assert all(o.outputs[0].finish_reason == "error" and "KeyError" in o.error for o in outs)
-    monkeypatch.setattr(llm.engine, "_advance", original)
-    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    monkeypatch.setattr(updater, "_advance", original)
+    assert llm.engine.core.pool.num_free_blocks == llm.engine.core.pool.num_blocks
     assert [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)] == alone
 
 
+@pytest.mark.core_state
 def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     def broken(batch):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", broken)
+    monkeypatch.setattr(llm.engine.core.runner, "execute", broken)
     llm.engine.add_request("doomed", PROMPTS[0], GREEDY)
     with pytest.raises(ModelForwardError, match="device lost"):
         llm.engine.step()
@@ -117,12 +122,13 @@ def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     llm.engine.abort_request("doomed")
 
 
+@pytest.mark.core_state
 def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(path):
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
     try:
 
         async def main():
-            engine._lock.acquire()  # the engine thread is "in a long step": adds wait
+            engine.client._lock.acquire()  # the engine thread is "in a long step": adds wait
             try:
                 tasks = [asyncio.ensure_future(engine.add_request(p, GREEDY)) for p in PROMPTS]
                 await asyncio.sleep(0.2)
@@ -130,7 +136,7 @@ def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(p
                     task.cancel()  # the clients give up while their adds wait
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                engine._lock.release()
+                engine.client._lock.release()
             await asyncio.sleep(0.5)  # the engine thread adds them, sees they were cancelled, aborts them
             stream = await engine.add_request(PROMPTS[0], GREEDY)
             return [out async for out in stream][-1]

@@ -71,15 +71,16 @@ def test_staggered_arrivals_match(arch, checkpoints, references):
     check([finals[f"s{i}"] for i in range(len(prompts))], refs[arch])
 
 
+@pytest.mark.core_state
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_forced_preemption_matches(arch, checkpoints, references):
     prompts, refs = references
     # 22 blocks of 4 tokens hold one longest sequence (64 + 12 tokens) but not the batch.
     llm = LLM(checkpoints[arch], block_size=4, num_kv_blocks=22, max_model_len=88)
     outputs = llm.generate(prompts, GREEDY)
-    assert llm.engine.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     check(outputs, refs[arch])
-    assert llm.engine.pool.num_free_blocks == 22  # everything released
+    assert llm.engine.core.pool.num_free_blocks == 22  # everything released
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -89,6 +90,7 @@ def test_chunked_prefill_matches(arch, checkpoints, references):
     check(llm.generate(prompts, GREEDY), refs[arch])
 
 
+@pytest.mark.core_state
 def test_kv_blocks_never_exceed_need_by_more_than_one_per_sequence(checkpoints, references):
     prompts, _ = references
     llm = LLM(checkpoints["llama"], block_size=4, kv_cache_memory="64MiB")
@@ -97,7 +99,7 @@ def test_kv_blocks_never_exceed_need_by_more_than_one_per_sequence(checkpoints, 
         engine.add_request(f"m{i}", prompt, GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-        live = engine.scheduler.running
+        live = engine.core.scheduler.running
         need = sum(-(-s.num_computed_tokens // 4) for s in live)
-        assert engine.pool.num_used_blocks <= need + len(live)
-    assert engine.pool.num_used_blocks == 0
+        assert engine.core.pool.num_used_blocks <= need + len(live)
+    assert engine.core.pool.num_used_blocks == 0

@@ -176,16 +176,17 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, path):
         assert entry.logprob == pytest.approx(float(reference[position - 1, ids[position]]), abs=1e-4)
 
 
+@pytest.mark.core_state
 def test_abort_frees_blocks_and_reports_abort(llm):
     engine = llm.engine
-    free = engine.pool.num_free_blocks
+    free = engine.core.pool.num_free_blocks
     engine.add_request("to-abort", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.pool.num_free_blocks < free
+    assert engine.core.pool.num_free_blocks < free
     out = engine.abort_request("to-abort")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert engine.pool.num_free_blocks == free
+    assert engine.core.pool.num_free_blocks == free
     assert engine.abort_request("to-abort") is None
 
 
@@ -231,10 +232,40 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_them(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.core_state
 def test_leaving_a_stream_early_aborts_its_requests(llm):
-    free = llm.engine.pool.num_free_blocks
+    free = llm.engine.core.pool.num_free_blocks
     stream = llm.stream([PROMPT, "def add"], SamplingParams(max_tokens=50, ignore_eos=True))
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.pool.num_free_blocks == free
+    assert llm.engine.core.pool.num_free_blocks == free
+
+
+@pytest.mark.parametrize("stop", [None, [" the", "a"]])
+def test_delta_outputs_join_to_the_cumulative_ones(llm, stop):
+    """Each delta output carries what is new; joined, the deltas of every sample are
+    its whole output (text, token ids, logprobs), stop strings withheld alike."""
+    base = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=24, logprobs=1, stop=stop)
+    [whole] = llm.generate(PROMPT, base)
+    joined = {i: {"text": "", "ids": [], "logprobs": []} for i in range(2)}
+    finals = {}
+    for out in llm.stream(PROMPT, base.replace(output_kind="delta")):
+        for o in out.outputs:
+            joined[o.index]["text"] += o.text
+            joined[o.index]["ids"] += o.token_ids
+            joined[o.index]["logprobs"] += o.logprobs
+            if o.finish_reason is not None:
+                finals[o.index] = (o.finish_reason, o.stop_reason)
+    for o in whole.outputs:
+        assert joined[o.index]["text"] == o.text and joined[o.index]["ids"] == o.token_ids
+        assert [sorted(e) for e in joined[o.index]["logprobs"]] == [sorted(e) for e in o.logprobs]
+        assert finals[o.index] == (o.finish_reason, o.stop_reason)
+
+
+def test_final_only_outputs_come_once(llm):
+    outs = list(llm.stream([PROMPT, "def add"], SamplingParams(max_tokens=6, output_kind="final_only")))
+    assert len(outs) == 2 and all(out.finished for out in outs)
+    with pytest.raises(InvalidRequestError) as info:
+        list(llm.stream(PROMPT, SamplingParams(output_kind="sometimes")))
+    assert info.value.param == "output_kind"

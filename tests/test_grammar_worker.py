@@ -64,7 +64,7 @@ def small_manager(**options) -> StructuredOutputManager:
 
 def wide_manager(**options) -> StructuredOutputManager:
     m = StructuredOutputManager(WideTokenizer(), 20_000, default_backend="xgrammar", **options)
-    m.submit(StructuredOutputsParams(regex="[ab]+")).result(120)  # starts a worker, builds its tables
+    m.submit(StructuredOutputsParams(regex="[ab]+").spec()).result(120)  # starts a worker, builds its tables
     return m
 
 
@@ -124,7 +124,7 @@ def test_a_serialized_grammar_masks_like_the_one_compiled_here(kind, value):
 
 def test_a_worker_compiles_what_this_process_would():
     with closing(small_manager()) as m:
-        grammar = m.submit(StructuredOutputsParams(json=SCHEMA)).result(120)
+        grammar = m.submit(StructuredOutputsParams(json=SCHEMA).spec()).result(120)
         assert grammar.backend_name == "xgrammar" and worker_pids(m)  # compiled in a worker
         info = m._tokenizer_info()
         here = XGrammarBackend().compile(GrammarSpec("json_schema", SCHEMA), info)
@@ -139,7 +139,7 @@ def test_a_worker_compiles_what_this_process_would():
             except NotImplementedError as exc:
                 expected = f"structured_outputs: no grammar backend supports this spec ({exc})"
             with pytest.raises(InvalidRequestError) as caught:
-                m.submit(spec).result(30)
+                m.submit(spec.spec()).result(30)
             assert str(caught.value) == expected and caught.value.param == "structured_outputs"
         assert m.stats()["grammar_compile_errors"] == 2 and len(worker_pids(m)) == 1  # the worker stays
 
@@ -149,31 +149,31 @@ def test_a_compile_past_its_timeout_is_killed_and_the_next_one_gets_a_fresh_work
         [pid] = worker_pids(m)
         started = time.perf_counter()
         with pytest.raises(InvalidRequestError, match=r"compiling the regex took longer than the 0.5 s limit \(grammar_compile_timeout\)"):
-            m.submit(StructuredOutputsParams(regex=SLOW_REGEX)).result(30)
+            m.submit(StructuredOutputsParams(regex=SLOW_REGEX).spec()).result(30)
         assert time.perf_counter() - started < 2.5
         assert gone(pid) and not worker_pids(m)
         stats = m.stats()
         assert stats["grammar_compile_timeouts"] == 1 and stats["grammar_compiling"] == 0 and m._abandoned == 0
-        assert m.submit(StructuredOutputsParams(regex="[cd]+")).result(120).backend_name == "xgrammar"
+        assert m.submit(StructuredOutputsParams(regex="[cd]+").spec()).result(120).backend_name == "xgrammar"
         assert worker_pids(m) and pid not in worker_pids(m)
 
 
 def test_a_worker_killed_mid_compile_fails_that_compile_and_is_replaced():
     with closing(wide_manager(compile_timeout=60)) as m:
         [pid] = worker_pids(m)
-        future = m.submit(StructuredOutputsParams(regex=SLOW_REGEX))
+        future = m.submit(StructuredOutputsParams(regex=SLOW_REGEX).spec())
         time.sleep(0.5)  # the compile is under way
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(InvalidRequestError, match="grammar compiler process was killed by SIGKILL while compiling the regex"):
             future.result(30)
         assert m.stats()["grammar_compile_errors"] == 1 and m.stats()["grammar_compile_timeouts"] == 0
-        assert m.submit(StructuredOutputsParams(regex="[cd]+")).result(120).backend_name == "xgrammar"
+        assert m.submit(StructuredOutputsParams(regex="[cd]+").spec()).result(120).backend_name == "xgrammar"
         assert worker_pids(m) and pid not in worker_pids(m)
 
 
 def test_close_kills_every_worker_busy_or_idle_and_so_does_dropping_the_manager():
     m = wide_manager(compile_timeout=60)
-    busy = [m.submit(StructuredOutputsParams(regex=SLOWER_REGEX + c)) for c in "ab"]  # a second worker starts
+    busy = [m.submit(StructuredOutputsParams(regex=SLOWER_REGEX + c).spec()) for c in "ab"]  # a second worker starts
     deadline = time.monotonic() + 60
     while len(worker_pids(m)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -187,7 +187,7 @@ def test_close_kills_every_worker_busy_or_idle_and_so_does_dropping_the_manager(
     m.close()  # again: nothing left to do
 
     dropped = small_manager()
-    dropped.submit(StructuredOutputsParams(regex="ab")).result(120)
+    dropped.submit(StructuredOutputsParams(regex="ab").spec()).result(120)
     [pid] = worker_pids(dropped)
     del dropped
     deadline = time.monotonic() + 5
@@ -204,9 +204,9 @@ def test_a_backend_the_worker_cannot_load_compiles_in_this_process():
     registries.grammar_backends.register("xgrammar-runtime", RuntimeXGrammar)
     m = small_manager()
     try:
-        grammar = m.submit(StructuredOutputsParams(regex="ab", backend="xgrammar-runtime")).result(120)
+        grammar = m.submit(StructuredOutputsParams(regex="ab").spec(), "xgrammar-runtime").result(120)
         assert grammar.backend_name == "xgrammar-runtime" and "xgrammar-runtime" in m._local
-        assert m.submit(StructuredOutputsParams(regex="abc", backend="xgrammar-runtime")).result(30)
+        assert m.submit(StructuredOutputsParams(regex="abc").spec(), "xgrammar-runtime").result(30)
     finally:
         m.close()
         registries.grammar_backends.unregister("xgrammar-runtime")

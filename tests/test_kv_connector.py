@@ -24,6 +24,8 @@ from pyagent_framework.engine.kv_transfer import (
 from pyagent_framework.testing.kv import KVConnectorContract, MemoryConnector
 from tests.tiny_models import tiny_checkpoint
 
+pytestmark = pytest.mark.core_state  # reads the engine core's state: runs with the core in this process
+
 LAYOUT = BlockLayout(2, 4, 2, 8, torch.float32, b"m" * 32)
 MODEL_FIELD = slice(28, 60)  # the model identity's bytes in the header
 KEY = bytes(range(32))
@@ -173,7 +175,7 @@ def _engine(path, store=None, **kwargs):
 
 
 def _flush(llm):
-    assert llm.engine.kv_transfer.flush(timeout=10)
+    assert llm.engine.core.kv_transfer.flush(timeout=10)
 
 
 def _stored_by_a_first_engine(path):
@@ -287,7 +289,7 @@ def test_an_unreachable_store_costs_misses_not_requests_and_is_retried(path, mem
     expected = _run(_engine(path), prompts)
     store: dict = {}
     llm = _engine(path, store)
-    connector = llm.engine.kv_transfer.connector
+    connector = llm.engine.core.kv_transfer.connector
     connector.fail = ConnectionError("store down")
     _same(_run(llm, prompts), expected)  # zero failed requests
     _flush(llm)
@@ -349,7 +351,7 @@ def test_a_slow_store_drops_saves_instead_of_holding_the_engine(path, memory):
     expected = _run(_engine(path), prompts)
     store: dict = {}
     llm = _engine(path, None, kv_connector="memory-test", kv_connector_config={"shared": store, "max_pending_saves": 3})
-    connector = llm.engine.kv_transfer.connector
+    connector = llm.engine.core.kv_transfer.connector
     release = threading.Event()
     original = connector.put
     connector.put = lambda items: (release.wait(30), original(items))[1]

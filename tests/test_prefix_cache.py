@@ -14,8 +14,8 @@ from pyagent_framework.builtins.lru import LRUPolicy
 from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_cache import BlockPool, block_hash, root_hash
-from pyagent_framework.engine.params import SamplingParams as Params
 from pyagent_framework.engine.sequence import Sequence
+from pyagent_framework.messages import CoreSamplingParams
 from tests.tiny_models import hf_greedy, hf_model, shared_prefix_prompts, tiny_checkpoint
 
 BS = 4
@@ -23,8 +23,8 @@ BS = 4
 
 def make_seq(tokens, salt=None, **params):
     return Sequence(
-        request_id="r", index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-        params=Params(**params), arrival_time=0.0, max_total_tokens=10_000, cache_salt=salt,
+        request_id="r", token_ids=list(tokens), num_prompt_tokens=len(tokens),
+        params=CoreSamplingParams(**params), arrival_time=0.0, max_total_tokens=10_000, cache_salt=salt,
     )
 
 
@@ -244,15 +244,16 @@ def test_greedy_identical_with_caching_on_and_off(llama, shared_prompts, engine_
         assert stats["prefix_cache_evictions"] > 0 and stats["num_preemptions"] > 0
 
 
+@pytest.mark.core_state
 def test_engine_salts_isolate_tenants(llama, shared_prompts):
     llm = LLM(llama, kv_cache_memory="64MiB")
     prompt = shared_prompts[0]
     first = greedy(llm, [prompt], cache_salt="tenant-a")
-    hits = llm.engine.pool.prefix_hits
+    hits = llm.engine.core.pool.prefix_hits
     assert_same(greedy(llm, [prompt], cache_salt="tenant-b"), first)
-    assert llm.engine.pool.prefix_hits == hits  # nothing shared across salts
+    assert llm.engine.core.pool.prefix_hits == hits  # nothing shared across salts
     assert_same(greedy(llm, [prompt], cache_salt="tenant-a"), first)
-    assert llm.engine.pool.prefix_hits > hits
+    assert llm.engine.core.pool.prefix_hits > hits
 
 
 def test_bad_cache_salt_is_refused_and_the_engine_keeps_serving(llama):

@@ -41,13 +41,14 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")
 
 
+@pytest.mark.core_state
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True)])
 def test_linears_are_swapped_and_a_tied_head_stays_tied(root, arch, tied):
     path = tiny_checkpoint(arch, root)
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
     plain = LLM(path, kv_cache_memory="16MiB", max_model_len=128)
     quant = LLM(path, kv_cache_memory="16MiB", max_model_len=128, quantization="test-bf16")
-    model = quant.engine.model
+    model = quant.engine.core.model
     assert not any(type(m) is nn.Linear for name, m in model.named_modules() if name != "lm_head")
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, BF16Linear)
     if tied:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from pyagent_framework.engine.input_processor import core_sampling_params
 from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, top_logprobs
 from pyagent_framework.engine.sequence import Sequence
@@ -91,7 +92,7 @@ def test_penalties_match_reference():
 
 
 def make_seq(params: SamplingParams, tokens=(5, 6), outputs=(), generator=None) -> Sequence:
-    seq = Sequence("r", 0, list(tokens) + list(outputs), len(tokens), params, 0.0, 100)
+    seq = Sequence("r", list(tokens) + list(outputs), len(tokens), core_sampling_params(params.validate()), 0.0, 100)
     seq.generator = generator
     return seq
 
@@ -148,6 +149,6 @@ def test_sampling_follows_the_distribution():
 
 def test_top_logprobs_ranks():
     logprobs = torch.log_softmax(torch.tensor([1.0, 3.0, 2.0, 0.0]), -1)
-    chosen, entries = top_logprobs(logprobs, chosen=3, k=2)
-    assert chosen == pytest.approx(float(logprobs[3]))
-    assert {t: e.rank for t, e in entries.items()} == {3: 4, 1: 1, 2: 2}
+    entry = top_logprobs(logprobs, chosen=3, k=2)
+    assert entry.token_ids[0] == 3 and entry.logprobs[0] == pytest.approx(float(logprobs[3]))
+    assert dict(zip(entry.token_ids, entry.ranks)) == {3: 4, 1: 1, 2: 2}

@@ -427,10 +427,10 @@ def test_parser_names_are_checked_at_start():
 def test_dead_engine_is_503_and_health_says_so(path):
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
 
-    def broken_step():
+    def broken_step(timeout=None):
         raise RuntimeError("simulated device failure")
 
-    engine.engine.step = broken_step
+    engine.client.get_outputs = broken_step
     with make_client(engine) as c:
         assert c.get("/health").status_code == 200
         response = chat(c)

@@ -45,10 +45,11 @@ def reference(prompts):
     return [hf_greedy(model, p, MAX_NEW, eos_token_id=eos) for p in prompts]
 
 
+@pytest.mark.core_state
 def test_default_model_is_the_embedded_smollm2(llm):
-    assert llm.engine.model_path.endswith(".gguf")
-    assert llm.engine.model_config["architectures"] == ["LlamaForCausalLM"]
-    assert llm.engine.model_config["num_hidden_layers"] == 30
+    assert llm.engine.core.model_path.endswith(".gguf")
+    assert llm.engine.core.model_config["architectures"] == ["LlamaForCausalLM"]
+    assert llm.engine.core.model_config["num_hidden_layers"] == 30
 
 
 def _check(outputs, reference):
@@ -64,14 +65,15 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
     _check(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference)
 
 
+@pytest.mark.core_state
 def test_greedy_matches_transformers_from_cached_prefixes(llm, prompts, reference):
     """The chat template's system prompt is a prefix of every prompt: after one request
     has filed it, the others start from its cached blocks and decode the same tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
     _check(llm.generate(prompts[:1], params), reference[:1])
-    hits = llm.engine.pool.prefix_hits
+    hits = llm.engine.core.pool.prefix_hits
     _check(llm.generate(prompts, params), reference)
-    assert llm.engine.pool.prefix_hits >= hits + 16 * (len(prompts) - 1)
+    assert llm.engine.core.pool.prefix_hits >= hits + 16 * (len(prompts) - 1)
 
 
 def test_answers_a_question(llm):

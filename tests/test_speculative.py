@@ -87,6 +87,7 @@ def plain(path):
     return prompts, _greedy(_engine(path), prompts)
 
 
+@pytest.mark.core_state
 @pytest.mark.parametrize("wrong_every", [0, 3, 1])
 def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wrong_every):
     """All-correct, partly wrong and all-wrong drafts, batched, with chunked prefill
@@ -105,10 +106,11 @@ def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wron
         assert stats["spec_accepted_tokens"] == 0
     else:  # every third draft token is wrong: positions 0 and 1 kept, 2 never
         assert stats["spec_acceptance_by_position"][:3] == [1.0, 1.0, 0.0]
-    assert len(llm.engine.speculator.proposer.finished) == len(prompts)
-    assert llm.engine.pool.num_used_blocks == 0  # every block back (cached or free)
+    assert len(llm.engine.core.speculator.proposer.finished) == len(prompts)
+    assert llm.engine.core.pool.num_used_blocks == 0  # every block back (cached or free)
 
 
+@pytest.mark.core_state
 def test_random_drafts_leave_outputs_and_blocks_alone(path, plain):
     prompts, expected = plain
     llm = _engine(path, speculative_method="random-test", num_speculative_tokens=6)
@@ -119,8 +121,8 @@ def test_random_drafts_leave_outputs_and_blocks_alone(path, plain):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
-        for seq in engine.scheduler.running:  # a rejected draft's blocks were given back
-            assert len(seq.block_ids) <= -(-seq.num_tokens // engine.pool.block_size)
+        for seq in engine.core.scheduler.running:  # a rejected draft's blocks were given back
+            assert len(seq.block_ids) <= -(-seq.num_tokens // engine.core.pool.block_size)
             assert not seq.spec_tokens
     assert [outputs[f"r{len(p)}"] for p in prompts] == expected
 

@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 from pyagent_framework import LLM, SamplingParams, StructuredOutputsParams, registries
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.structured import StructuredOutputManager, apply_token_bitmask, bitmask_words
-from pyagent_framework.interfaces import GrammarBackend
+from pyagent_framework.interfaces import GrammarBackend, ReasoningParser
+from pyagent_framework.types import ReasoningSplit
 from tests.tiny_models import tiny_checkpoint
 
 PROMPT = "The quick brown fox"
@@ -162,26 +163,55 @@ def test_constrained_rows_leave_the_rest_of_the_batch_alone(llm):
     assert re.fullmatch("[0-9]{12}", together[0].outputs[0].text)
 
 
+@pytest.mark.core_state
 def test_preempted_constrained_sequences_stay_valid(path):
     # A KV cache this small forces preemption (recompute); matchers keep their state.
     small = LLM(path, num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8)
     outs = small.generate([PROMPT * 4] * 6, SamplingParams(max_tokens=100, temperature=1.0, seed=5, structured_outputs={"json": SCHEMA}))
-    assert small.engine.num_preemptions > 0
+    assert small.engine.core.scheduler.num_preemptions > 0
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
-def test_a_grammar_waits_for_the_end_of_the_reasoning(llm):
-    """With ``reasoning_end``, tokens are free until the predicate holds (here: after
-    five output tokens), then the grammar constrains the rest, from the next token."""
+class AfterFive(ReasoningParser):
+    """Reasoning ends after five output tokens."""
+
+    def extract(self, text, request=None):
+        return ReasoningSplit(None, text)
+
+    def extract_streaming(self, *args):
+        return None
+
+    def is_reasoning_end(self, token_ids):
+        return len(token_ids) >= 5
+
+
+class RaisingReasoning(AfterFive):
+    def is_reasoning_end(self, token_ids):
+        return 1 / 0
+
+
+@pytest.fixture
+def reasoning_parsers():
+    names = {"after-five-test": AfterFive, "raising-reasoning-test": RaisingReasoning}
+    for name, cls in names.items():
+        registries.reasoning_parsers.register(name, cls)
+    yield
+    for name in names:
+        registries.reasoning_parsers.unregister(name)
+
+
+def test_a_grammar_waits_for_the_end_of_the_reasoning(llm, reasoning_parsers):
+    """With a reasoning parser, tokens are free until it says the reasoning ended (here:
+    after five output tokens), then the grammar constrains the rest, from the next token."""
     engine = llm.engine
     free = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     [unconstrained] = llm.generate(PROMPT, free)
     reasoning = unconstrained.outputs[0].token_ids
     assert not re.fullmatch("[xy]+", unconstrained.outputs[0].text), "the free text must not already match"
     params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "[xy]{4}"})
-    engine.add_request("think", PROMPT, params, reasoning_end=lambda: (lambda ids: len(ids) >= 5))
-    engine.add_request("raises", PROMPT, params, reasoning_end=lambda: (lambda ids: 1 / 0))
+    engine.add_request("think", PROMPT, params, reasoning_parser="after-five-test", reasoning_request={})
+    engine.add_request("raises", PROMPT, params, reasoning_parser="raising-reasoning-test")
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -190,7 +220,7 @@ def test_a_grammar_waits_for_the_end_of_the_reasoning(llm):
     assert think.token_ids[:5] == reasoning  # the same free tokens as without a grammar
     answer = engine.tokenizer.decode(think.token_ids[5:])
     assert re.fullmatch("[xy]{4}", answer) and think.finish_reason == "stop"
-    # A predicate that raises counts as ended: constrained from the first token.
+    # A parser that raises counts as ended: constrained from the first token.
     assert re.fullmatch("[xy]{4}", finished["raises"].outputs[0].text)
 
 
@@ -296,15 +326,15 @@ def manager(**options) -> StructuredOutputManager:
 
 def test_auto_falls_back_past_a_backend_that_refuses(fakes, monkeypatch):
     monkeypatch.setattr("pyagent_framework.engine.structured.PREFERRED_BACKENDS", ("fake-refuses", "fake-ok"))
-    grammar = manager().submit(StructuredOutputsParams(regex="a+")).result(10)
+    grammar = manager().submit(StructuredOutputsParams(regex="a+").spec()).result(10)
     assert grammar.backend_name == "fake-ok"
     # A wrong spec is wrong for everyone: no fallback, the error names it.
     with pytest.raises(InvalidRequestError, match="bad spec, says the fake"):
-        manager().submit(StructuredOutputsParams(regex="bad", backend="fake-ok")).result(10)
+        manager().submit(StructuredOutputsParams(regex="bad").spec(), "fake-ok").result(10)
     with pytest.raises(InvalidRequestError, match="no grammar backend supports.*Refuses refuses"):
-        manager().submit(StructuredOutputsParams(regex="a+", backend="fake-refuses")).result(10)
+        manager().submit(StructuredOutputsParams(regex="a+").spec(), "fake-refuses").result(10)
     with pytest.raises(InvalidRequestError, match="does not handle 'grammar'"):
-        manager().submit(StructuredOutputsParams(grammar="root ::= 'a'", backend="fake-ok")).result(10)
+        manager().submit(StructuredOutputsParams(grammar="root ::= 'a'").spec(), "fake-ok").result(10)
 
 
 def test_the_compiled_grammar_cache_stays_under_its_memory_bound():
@@ -315,7 +345,7 @@ def test_the_compiled_grammar_cache_stays_under_its_memory_bound():
     sizes = []
     for i in range(2000):
         schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
-        m.submit(StructuredOutputsParams(json=schema)).result(30)
+        m.submit(StructuredOutputsParams(json=schema).spec()).result(30)
         stats = m.stats()
         assert stats["grammar_cache_bytes"] <= limit
         sizes.append(stats["grammar_cache_entries"])
@@ -323,14 +353,14 @@ def test_the_compiled_grammar_cache_stays_under_its_memory_bound():
     assert stats["grammar_cache_misses"] == 2000 and stats["grammar_cache_evictions"] > 0
     assert 1 < stats["grammar_cache_entries"] < 2000
     last = {"type": "object", "properties": {"k1999": {"type": "integer"}}, "required": ["k1999"]}
-    m.submit(StructuredOutputsParams(json=last)).result(1)
+    m.submit(StructuredOutputsParams(json=last).spec()).result(1)
     assert m.stats()["grammar_cache_hits"] == 1
 
 
 def test_same_spec_compiles_once_while_in_flight(gate):
     m = manager(default_backend="fake-ok")
-    first = m.submit(StructuredOutputsParams(regex="a+"))
-    second = m.submit(StructuredOutputsParams(regex="a+"))
+    first = m.submit(StructuredOutputsParams(regex="a+").spec())
+    second = m.submit(StructuredOutputsParams(regex="a+").spec())
     assert first is second and not first.done()
     gate.set()
     assert first.result(10).backend_name == "fake-ok"
@@ -353,36 +383,36 @@ class WideTokenizer(TinyTokenizer):
 
 def test_a_pathological_regex_times_out_instead_of_hanging():
     m = StructuredOutputManager(WideTokenizer(), 20_000, default_backend="xgrammar")
-    m.submit(StructuredOutputsParams(regex="[ab]+")).result(60)  # builds the vocabulary tables
+    m.submit(StructuredOutputsParams(regex="[ab]+").spec()).result(60)  # builds the vocabulary tables
     m.compile_timeout = 0.2
     started = time.perf_counter()
     # Wide bounded repetitions: an automaton of thousands of states, each masked over
     # the whole vocabulary; seconds of work.
     with pytest.raises(InvalidRequestError, match="longer than the 0.2 s limit"):
-        m.submit(StructuredOutputsParams(regex="[a-z0-9]{1,2000}x[a-z]{1,2000}y[0-9a-z]{1,2000}z[a-z]{1,2000}")).result(30)
+        m.submit(StructuredOutputsParams(regex="[a-z0-9]{1,2000}x[a-z]{1,2000}y[0-9a-z]{1,2000}z[a-z]{1,2000}").spec()).result(30)
     assert time.perf_counter() - started < 2
     assert m.stats()["grammar_compile_timeouts"] == 1
-    assert m.submit(StructuredOutputsParams(regex="[ab]+")).result(30)  # the next one compiles
+    assert m.submit(StructuredOutputsParams(regex="[ab]+").spec()).result(30)  # the next one compiles
 
 
 def test_abandoned_compiles_are_capped(gate):
     m = manager(default_backend="fake-ok", compile_timeout=0.05)
     for i in range(4):
         with pytest.raises(InvalidRequestError, match="longer than"):
-            m.submit(StructuredOutputsParams(regex=f"x{i}")).result(10)
+            m.submit(StructuredOutputsParams(regex=f"x{i}").spec()).result(10)
     with pytest.raises(InvalidRequestError, match="busy with 4 specs"):
-        m.submit(StructuredOutputsParams(regex="y"))
+        m.submit(StructuredOutputsParams(regex="y").spec())
     gate.set()  # the stuck compiles end; the compiler takes work again
     deadline = time.time() + 10
     while m._abandoned and time.time() < deadline:
         time.sleep(0.01)
-    assert m.submit(StructuredOutputsParams(regex="y")).result(10).backend_name == "fake-ok"
+    assert m.submit(StructuredOutputsParams(regex="y").spec()).result(10).backend_name == "fake-ok"
 
 
 def test_a_compiling_request_does_not_hold_back_others(path, gate):
     """While one request's grammar compiles, another generates; the first then runs."""
     engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
-    engine.add_request("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
+    engine.add_request_nowait("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
     engine.add_request("plain", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finished = {}
     for _ in range(10):
@@ -398,9 +428,11 @@ def test_a_compiling_request_does_not_hold_back_others(path, gate):
     assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
 
 
+@pytest.mark.core_state
 def test_a_request_aborted_while_compiling_is_dropped(path, gate):
     engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
-    engine.add_request("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
+    engine.add_request_nowait("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
     assert engine.abort_request("r").outputs[0].finish_reason == "abort"
     gate.set()
-    assert engine.step() == [] and not engine.has_unfinished_requests() and not engine.compiling
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert not engine.core.grammar.compiling and not engine.core.has_unfinished_requests()

@@ -29,6 +29,8 @@ from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine import structured
 from pyagent_framework.engine.errors import InvalidRequestError
 
+pytestmark = pytest.mark.core_state  # reads the engine core's state: runs with the core in this process
+
 MAX_TOKENS = 256
 TEMPERATURE = 0.8
 SEED = 1000
@@ -282,7 +284,8 @@ def json_spec(schema: dict, backend: str) -> dict:
 def compile_result(llm, spec: dict):
     """The compiled grammar for ``spec``, or the InvalidRequestError refusing it."""
     try:
-        return llm.engine.prepare_grammar(SamplingParams(structured_outputs=spec)).result()
+        structured = SamplingParams(structured_outputs=spec).validate().structured_outputs
+        return llm.engine.core.grammar.structured.submit(structured.spec(), structured.backend).result()
     except InvalidRequestError as exc:
         return exc
 

@@ -39,7 +39,7 @@ def kernel_calls(monkeypatch):
 def _greedy(llm, prompts):
     from pyagent_framework import SamplingParams
 
-    llm.engine.model.use_fused_decode = False  # the fused native step would bypass the backend
+    llm.engine.core.model.use_fused_decode = False  # the fused native step would bypass the backend
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
     return [
         (out.outputs[0].token_ids, [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])

@@ -44,7 +44,7 @@ def test_greedy_matches_transformers_on_the_gpu(gguf):
     from pyagent_framework import LLM, SamplingParams
 
     llm = LLM(gguf, device="cuda", attention_backend="triton", dtype="float32", kv_cache_memory="1GiB")
-    assert llm.engine.device.type == "cuda" and llm.engine.quantization == "none"
+    assert llm.engine.core.device.type == "cuda" and llm.engine.quantization == "none"
     prompts = [llm.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
 

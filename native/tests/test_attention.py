@@ -508,7 +508,7 @@ def _greedy(llm, prompts, fused: bool = False):
     backend's decode kernel (the fused whole-stack step has its own tests)."""
     from pyagent_framework import SamplingParams
 
-    llm.engine.model.use_fused_decode = fused
+    llm.engine.core.model.use_fused_decode = fused
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
     results = []
     for out in outputs:

@@ -30,7 +30,7 @@ def root(tmp_path_factory):
 
 
 def _run(llm: LLM, fused: bool):
-    model = llm.engine.model
+    model = llm.engine.core.model
     model.use_fused_decode = fused
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS, params)
@@ -55,7 +55,7 @@ def test_fused_decode_matches_the_model_forward(root, arch, quantization):
     llm = LLM(path, quantization=quantization, block_size=4, kv_cache_memory="16MiB", max_model_len=128, **options)
     want = _run(llm, fused=False)
     got = _run(llm, fused=True)
-    assert isinstance(llm.engine.model._fused, FusedDecoder), "the fused path was not built"
+    assert isinstance(llm.engine.core.model._fused, FusedDecoder), "the fused path was not built"
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(want, got):
         assert tokens_b == tokens_a
         assert np.allclose(lps_b, lps_a, atol=1e-4), max(abs(a - b) for a, b in zip(lps_a, lps_b))
@@ -77,7 +77,7 @@ def test_sliding_window_is_applied(root):
         config["sliding_window"] = 6
         (path / "config.json").write_text(json.dumps(config))
     llm = LLM(str(path), block_size=4, kv_cache_memory="16MiB", max_model_len=128)
-    assert llm.engine.model.layer_windows[0] == 6
+    assert llm.engine.core.model.layer_windows[0] == 6
     want = _run(llm, fused=False)
     got = _run(llm, fused=True)
     assert [t for t, _ in got] == [t for t, _ in want]
@@ -89,10 +89,10 @@ def test_not_fused_with_the_torch_backend_or_another_dtype(root):
     path = tiny_checkpoint("llama", root)
     llm = LLM(path, attention_backend="torch", kv_cache_memory="16MiB", max_model_len=128)
     llm.generate(["hi"], SamplingParams(max_tokens=2))
-    assert llm.engine.model._fused is False  # the torch backend offers no fused step
+    assert llm.engine.core.model._fused is False  # the torch backend offers no fused step
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="16MiB", max_model_len=128)
     llm.generate(["hi"], SamplingParams(max_tokens=2))
-    assert llm.engine.model._fused is False  # bfloat16 norms: the core reads float32 only
+    assert llm.engine.core.model._fused is False  # bfloat16 norms: the core reads float32 only
 
 
 def _stack(hidden=8, heads=2, kv_heads=1, head_dim=4, inter=6, layers=1, **override):

@@ -126,7 +126,7 @@ def test_engine_default_uses_native_linears_with_transformers_tokens(arch, tmp_p
     llm = LLM(path, kv_cache_memory="64MiB")
     stats = llm.engine.stats()
     assert (stats["attention_backend"], stats["quantization"]) == ("native", "native")
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, NativeLinear)]
     plain = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and not plain

@@ -231,7 +231,7 @@ def test_native_twin_serves_the_engine(name, tmp_path):
 
     path = tiny_checkpoint("llama", tmp_path)
     llm = LLM(path, eviction_policy=name, num_kv_blocks=20, block_size=4, max_model_len=80)
-    assert type(llm.engine.pool.policy.policy) is NATIVE[name][0]  # behind the engine's guard
+    assert type(llm.engine.core.pool.policy.policy) is NATIVE[name][0]  # behind the engine's guard
     prompts = [[7] * 30 + [i] for i in range(2, 8)] + [[9] * 25]
     reference = hf_model(path)
     for out, prompt in zip(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6)), prompts):

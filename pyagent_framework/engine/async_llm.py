@@ -21,26 +21,19 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
 from typing import Any
 
+from pyagent_framework.engine.config import EngineConfig, make_config
+from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
+from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 
 logger = logging.getLogger("pyagent_framework.engine")
 
-STATS_WAIT_SECONDS = 0.25  # how long stats() waits for a step to end before answering from the last one
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served."""
-
-
-class EngineStalledError(RuntimeError):
-    """A step made no progress for longer than the watchdog allows."""
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStalledError", "RequestStream"]
 
 
 class RequestStream:
@@ -84,27 +77,13 @@ class RequestStream:
         self.close()
 
 
-@dataclass
-class _Add:
-    """A request waiting for the engine thread to add it."""
-
-    request_id: str
-    prompt: Any
-    params: SamplingParams | None
-    cache_salt: str | None
-    grammar: concurrent.futures.Future | None
-    reasoning_end: Any
-    added: concurrent.futures.Future  # never cancelled: callers wait on it through _wait
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class AsyncLLM:
-    """Runs an :class:`LLMEngine` in its own thread for asyncio callers.
+    """The front end of :class:`LLMEngine` for asyncio callers.
 
-    Adds and aborts are queued to the engine thread, which applies them (adds first)
-    between steps; so an abort always finds the request it names, even when its
-    caller was cancelled while the add was still waiting.
+    An output thread takes each step's deltas from the engine core (running the step
+    itself when the core is in this process), turns them into outputs and hands them
+    to their streams, one wake-up per event loop. Adds and aborts may come from any
+    thread; the core applies them between steps.
     """
 
     def __init__(
@@ -115,28 +94,31 @@ class AsyncLLM:
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.client = engine.client
         self.step_timeout = step_timeout
-        self._lock = threading.Lock()  # guards the engine: requests vs step vs stats
-        self._streams_lock = threading.Lock()  # guards _streams; never held around engine work
-        self._wake = threading.Event()
+        self._streams_lock = threading.Lock()  # guards _streams
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: deque[_Add] = deque()
-        self._aborts: deque[str] = deque()  # ids to abort before the next step
         self._ids = itertools.count()
         self._stopping = False
-        self._step_started: float | None = None  # monotonic time the running step began
-        self._last_stats: dict[str, Any] = {}
         self._on_dead = [on_dead] if on_dead is not None else []
         self._dead_lock = threading.Lock()
         self.error: BaseException | None = None
+        if isinstance(self.client, ProcessClient):  # it notices the core process die
+            self.client.on_dead(lambda exc: self._die(exc, "the engine core process stopped"))
         self._thread = threading.Thread(target=self._loop, name="pyagent-engine", daemon=True)
         self._thread.start()
-        if step_timeout is not None:
+        if step_timeout is not None and engine.core is not None:  # a core process watches itself
             threading.Thread(target=self._watch, name="pyagent-watchdog", daemon=True).start()
 
     @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, step_timeout: float | None = None, on_dead: Callable[[BaseException], None] | None = None
+    ) -> "AsyncLLM":
+        return cls(LLMEngine(config, step_timeout=step_timeout), step_timeout=step_timeout, on_dead=on_dead)
+
+    @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "AsyncLLM":
-        return cls(LLMEngine.from_args(config_file=config_file, **engine_args))
+        return cls.from_config(make_config(engine_args, config_file=config_file))
 
     @property
     def is_alive(self) -> bool:
@@ -153,27 +135,35 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        reasoning_end: Callable[[], Callable[[Seq[int]], bool]] | None = None,
+        reasoning_parser: str | None = None,
+        reasoning_request: dict[str, Any] | None = None,
     ) -> RequestStream:
-        """Queue a request (raising InvalidRequestError at once for bad input) and
-        return a :class:`RequestStream` of its outputs; closing it early aborts it.
-        ``cache_salt``, ``reasoning_end``: see :meth:`LLMEngine.add_request`."""
+        """Queue a request (raising InvalidRequestError for bad input, a grammar no
+        backend compiles included) and return a :class:`RequestStream` of its outputs;
+        closing it early aborts it. ``cache_salt``, ``reasoning_parser``: see
+        :meth:`InputProcessor.process`."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
-        grammar = self.engine.prepare_grammar(params or SamplingParams())
-        if grammar is not None:  # a bad spec fails here, before anything is queued
-            await _wait(grammar)  # cancelling this wait leaves the shared compile alone
-            self._check_alive()
-        queue: asyncio.Queue = asyncio.Queue()
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        self._adds.append(
-            _Add(request_id, prompt, params, cache_salt, grammar, reasoning_end, added, asyncio.get_running_loop(), queue)
+        engine = self.engine
+        state, adds = engine.input_processor.process(
+            request_id,
+            prompt,
+            params,
+            engine.output_processor,
+            cache_salt=cache_salt,
+            reasoning_parser=reasoning_parser,
+            reasoning_request=reasoning_request,
         )
-        self._wake.set()
+        queue: asyncio.Queue = asyncio.Queue()
+        engine.output_processor.add(state)
+        with self._streams_lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            await _wait(added)
-        except asyncio.CancelledError:
-            self.abort_nowait(request_id)  # queued after the add: it will find it
+            acks = [self.client.add_request(add) for add in adds]
+            for ack in acks:  # a grammar compiling; cancelling this wait leaves the compile alone
+                await _wait(ack)
+        except BaseException:
+            self.abort_nowait(request_id)
             raise
         return RequestStream(self, request_id, queue)
 
@@ -182,55 +172,23 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the engine was shut down")
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters, read between steps; while a step runs longer than
-        a moment, those of the last step (so /metrics never hangs on the engine)."""
-        if not self._lock.acquire(timeout=STATS_WAIT_SECONDS):
-            return dict(self._last_stats)
-        try:
-            self._last_stats = self.engine.stats()
-        finally:
-            self._lock.release()
-        return dict(self._last_stats)
+        """The engine's counters; never waits long on a running step (see the clients)."""
+        return self.engine.stats()
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
-        """Abort from any thread or a cancelled task: the engine thread aborts the
-        request before its next step, freeing its KV blocks."""
+        """Abort from any thread or a cancelled task: the core aborts the request before
+        its next step, freeing its KV blocks."""
         with self._streams_lock:
             self._streams.pop(request_id, None)
-        self._aborts.append(request_id)
-        self._wake.set()
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # the core is gone: nothing left to free
+            logger.debug("aborting request %s failed", request_id, exc_info=True)
 
-    # ------------------------------------------------------------------ engine thread
-
-    def _apply_queued(self) -> None:
-        while self._adds:
-            item = self._adds.popleft()
-            try:
-                with self._lock:
-                    self.engine.add_request(
-                        item.request_id,
-                        item.prompt,
-                        item.params,
-                        cache_salt=item.cache_salt,
-                        grammar=item.grammar,
-                        reasoning_end=item.reasoning_end,
-                    )
-                    with self._streams_lock:
-                        self._streams[item.request_id] = (item.loop, item.queue)
-            except Exception as exc:  # bad input: the caller gets the error
-                item.added.set_exception(exc)
-            else:
-                item.added.set_result(None)
-        while self._aborts:
-            request_id = self._aborts.popleft()
-            try:
-                with self._lock:
-                    self.engine.abort_request(request_id)
-            except Exception:  # the request is gone either way; the loop goes on
-                logger.exception("aborting request %s failed", request_id)
+    # ------------------------------------------------------------------ output thread
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one
@@ -252,31 +210,27 @@ class AsyncLLM:
                 pass
 
     def _orphans(self) -> list[str]:
-        """Streams whose request the engine no longer has and that got no final
-        output (a failure the engine could not report): they are told, not left waiting."""
-        with self._lock, self._streams_lock:
-            return [request_id for request_id in self._streams if request_id not in self.engine.requests]
+        """Streams whose request the front end no longer has and that got no final
+        output (a failure it could not report): they are told, not left waiting."""
+        requests = self.engine.output_processor.requests
+        with self._streams_lock:
+            return [request_id for request_id in self._streams if request_id not in requests]
 
     def _loop(self) -> None:
+        engine = self.engine
         while not self._stopping and self.error is None:
-            self._apply_queued()
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
-                with self._lock:
-                    self._step_started = time.monotonic()
-                    outputs = self.engine.step()
-                    self._step_started = None
-            except BaseException as exc:  # the model forward failed: nothing can be served
+                core_outputs = self.client.get_outputs(timeout=0.5)
+            except BaseException as exc:  # the model forward failed, or the core process died
                 self._die(exc, "".join(traceback.format_exception(exc)))
                 return
             if self.error is not None:  # the watchdog gave up on this step meanwhile
                 return
+            if core_outputs is None:
+                continue
             try:
+                outputs, aborts = engine.output_processor.process(core_outputs)
+                self.client.abort_requests(aborts)
                 self._deliver([(out.request_id, out) for out in outputs])
                 orphans = self._orphans()
                 if orphans:
@@ -293,7 +247,7 @@ class AsyncLLM:
         period = min(1.0, self.step_timeout / 4)
         while not self._stopping and self.error is None:
             time.sleep(period)
-            started = self._step_started
+            started = self.client.step_started
             if started is not None and time.monotonic() - started > self.step_timeout:
                 frame = sys._current_frames().get(self._thread.ident)
                 where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
@@ -303,7 +257,7 @@ class AsyncLLM:
 
     def _die(self, exc: BaseException, details: str) -> None:
         with self._dead_lock:
-            if self.error is not None:
+            if self.error is not None or self._stopping:
                 return
             self.error = exc
         logger.critical("the engine failed and cannot serve: %r\n%s", exc, details)
@@ -315,21 +269,20 @@ class AsyncLLM:
                 logger.exception("an on_dead callback failed")
 
     def _fail_all(self, exc: BaseException | None) -> None:
-        """Every waiting add and open stream gets EngineDeadError; takes no engine lock
-        (the watchdog calls it while a step still holds it)."""
+        """Every open stream gets EngineDeadError; takes no engine lock (the watchdog
+        calls it while a step still runs)."""
         error = EngineDeadError(f"the engine stopped: {exc!r}" if exc else "the engine was shut down")
-        while self._adds:
-            self._adds.popleft().added.set_exception(error)
         with self._streams_lock:
             ids = list(self._streams)
         self._deliver([(request_id, error) for request_id in ids])
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
-        self._wake.set()
         self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.close()  # queued KV saves finish; the connector is released
+        if not self._thread.is_alive() or self.engine.core is None:
+            self.engine.close()  # queued KV saves finish; the connector (and the core process) stop
+        if self.error is None:
+            self._fail_all(None)
 
 
 async def _wait(future: concurrent.futures.Future) -> Any:

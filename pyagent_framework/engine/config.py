@@ -16,31 +16,8 @@ from typing import Any
 import attrs
 import cattrs
 
-from pyagent_framework.engine.errors import ConfigError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from ``1073741824``, ``"2GiB"``, ``"512MB"``, ``"1.5G"`` (binary units with ``i``)."""
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"size must be positive, got {value}")
-        return value
-    match = _SIZE.match(str(value))
-    if not match:
-        raise ValueError(f"not a size: {value!r} (examples: 2GiB, 512MiB, 1073741824)")
-    number, unit = float(match.group(1)), (match.group(2) or "").upper()
-    binary = "I" in unit
-    letter = unit[:1] if unit not in ("B", "") else ""
-    scale = 1024 ** "KMGT".index(letter) * 1024 if binary and letter else _UNITS[letter]
-    size = int(number * scale)
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
-    return size
+from pyagent_framework.errors import ConfigError
+from pyagent_framework.sizes import parse_size
 
 
 def _one_of(attribute, value, choices: tuple[str, ...]) -> None:
@@ -102,6 +79,7 @@ class EngineConfig:
     speculative_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("speculative_config", v), metadata={"help": "the proposer's options as JSON, e.g. '{\"n_max\": 4}'"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
+    engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
     def grammar_cache_bytes(self) -> int:
         try:

@@ -14,11 +14,16 @@ fails the sequence before its token is used) instead of failing the whole batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pyagent_framework.errors import ConfigError, EngineDeadError, InvalidRequestError
 from pyagent_framework.interfaces import GrammarMatcher
+from pyagent_framework.messages import CoreError, ErrorCode
+
+logger = logging.getLogger("pyagent_framework.engine")
 
 
 class ModelForwardError(RuntimeError):
@@ -46,6 +51,18 @@ def describe_entry(kind: str, name: str) -> str:
     except Exception:  # unknown name, or a registry without it: the label alone
         provider = None
     return f"{label} ({provider})" if provider is not None else label
+
+
+def guarded(fail: Callable[[Any, str], None], seq: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` for one sequence; an error fails the sequence (``fail(seq,
+    message)``), not the step: a plugin's error as named, any other with its type."""
+    try:
+        fn(*args)
+    except PluginCallError as exc:
+        fail(seq, str(exc))
+    except Exception as exc:
+        logger.exception("advancing request %s failed", seq.request_id)
+        fail(seq, f"internal error while advancing the request: {type(exc).__name__}: {exc}")
 
 
 def call_plugin(kind: str, name: str, call: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -98,3 +115,23 @@ class GuardedMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._call("reset", self.matcher.reset)
+
+
+def as_core_error(exc: BaseException) -> CoreError:
+    """An exception as the typed error that crosses to the front end."""
+    if isinstance(exc, InvalidRequestError):
+        return CoreError(ErrorCode.INVALID_REQUEST, str(exc), exc.param)
+    if isinstance(exc, ConfigError):
+        return CoreError(ErrorCode.CONFIG, str(exc), exc.field)
+    return CoreError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def as_exception(error: CoreError) -> Exception:
+    """The exception a typed error stands for."""
+    if error.code is ErrorCode.INVALID_REQUEST:
+        return InvalidRequestError(error.message, param=error.field)
+    if error.code is ErrorCode.CONFIG:
+        return ConfigError(error.message, field=error.field)
+    if error.code is ErrorCode.ENGINE_DEAD:
+        return EngineDeadError(error.message)
+    return RuntimeError(error.message)

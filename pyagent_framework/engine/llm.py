@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any, Union
 
+from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -15,22 +16,38 @@ Messages = Seq[Mapping[str, Any]]
 
 
 class LLM:
-    """Generate from a model in this process.
+    """Generate from a model.
 
     ``LLM(model="smollm2", attention_backend="torch", quantization=None, **engine_args)``
-    takes the same options as the ``pyagent generate|chat|serve`` flags.
+    takes the same options as the ``pyagent generate|chat|serve`` flags. The engine core
+    runs in a process of its own (``engine_process=False``: in this one, for debugging).
     """
 
-    def __init__(self, model: str | None = None, *, config_file: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_args(config_file=config_file, model=model, **engine_args)
+    def __init__(
+        self, model: str | None = None, *, config_file: str | None = None, environment: bool = True, **engine_args: Any
+    ) -> None:
+        """``environment=False`` ignores ``PYAGENT_*`` variables (an engine inside an
+        engine, such as a draft model, takes only the options it is given)."""
+        config = make_config({"model": model, **engine_args}, config_file=config_file, env=environment)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The context window: prompt and output tokens together."""
+        return self.engine.max_model_len
+
     def close(self) -> None:
-        """Finish queued KV-connector saves and release the connector (also done at exit)."""
+        """Finish queued KV-connector saves and release the connector; stop the engine
+        core's process (also done at exit)."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -52,7 +69,7 @@ class LLM:
         runs (a plugin raised for it, its grammar ran over its time budget) comes back
         with ``finish_reason="error"`` and the reason in ``error``; the others are
         unaffected."""
-        ids = self._submit(prompts, params, cache_salt)
+        ids = self._submit(prompts, params, cache_salt, output_kind="final_only")
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
         return [finals[request_id] for request_id in ids]
 
@@ -63,26 +80,23 @@ class LLM:
         submitted when iteration starts; stopping early aborts the rest."""
         yield from self._run(self._submit(prompts, params))
 
-    def _submit(self, prompts, params, cache_salt: str | None = None) -> list[str]:
-        """Validate and queue every prompt, or none of them. Grammars are compiled
-        (in parallel) first, so a bad spec raises before anything is queued."""
+    def _submit(self, prompts, params, cache_salt: str | None = None, output_kind: str | None = None) -> list[str]:
+        """Validate and queue every prompt, or none of them. Grammars compile in
+        parallel, and a spec that does not compile raises before anything runs."""
         prompts = _as_prompt_list(prompts)
         param_list = _as_params_list(params, len(prompts))
-        # Held here, not looked up again: a batch's grammars may not all fit the cache.
-        grammars = [self.engine.prepare_grammar(p) for p in param_list]
-        for grammar in grammars:
-            if grammar is not None:
-                grammar.result()
+        if output_kind is not None:
+            param_list = [(p or SamplingParams()).replace(output_kind=output_kind) for p in param_list]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        added = []
+        pending = []
         try:
-            for request_id, prompt, p, grammar in zip(ids, prompts, param_list, grammars):
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt, grammar=grammar)
-                added.append(request_id)
+            for request_id, prompt, p in zip(ids, prompts, param_list):
+                pending.append(self.engine.add_request_nowait(request_id, prompt, p, cache_salt=cache_salt))
         except Exception:
-            for request_id in added:
+            for request_id, _ in pending:
                 self.engine.abort_request(request_id)
             raise
+        self.engine.wait_added(pending)
         return ids
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pyagent_framework.engine.sequence import Logprob
+
+
+@dataclass
+class Logprob:
+    """One alternative at one position: token, its logprob and its rank (1 = best)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    text: str | None = None
 
 
 @dataclass
@@ -27,7 +36,9 @@ class RequestMetrics:
 @dataclass
 class CompletionOutput:
     """One of a request's ``n`` samples. ``text`` only grows between updates; while the
-    sample runs it withholds a tail that could start a stop string."""
+    sample runs it withholds a tail that could start a stop string. With
+    ``output_kind="delta"``, ``text``, ``token_ids`` and ``logprobs`` hold only what is
+    new since the request's previous output."""
 
     index: int
     text: str

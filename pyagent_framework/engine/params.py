@@ -22,6 +22,7 @@ MAX_SEED = 2**63 - 1
 MAX_GRAMMAR_CHARS = 128 * 1024  # a schema's JSON text, a regex or a grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,9 @@ class SamplingParams:
     priority: int = 0
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
     speculative: bool = True  # False: never draft for this request (with --speculative-method)
+    # What each output holds: "cumulative" (everything so far), "delta" (what is new since
+    # the previous output: streaming in O(n)) or "final_only" (one output, at the end).
+    output_kind: str = "cumulative"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -207,6 +211,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Check every field; raise :class:`InvalidRequestError` naming the first bad one."""
         _int("n", self.n, low=1, high=MAX_N)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", param="output_kind")
         if not isinstance(self.speculative, bool):
             raise InvalidRequestError(f"speculative must be true or false, got {self.speculative!r}", param="speculative")
         if self.max_tokens is not None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pyagent_framework.engine.sequence import Logprob, Sequence
+from pyagent_framework.engine.sequence import Sequence
+from pyagent_framework.messages import TokenLogprobs
 
 NEG_INF = float("-inf")
 
@@ -23,8 +24,7 @@ NEG_INF = float("-inf")
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float | None = None  # of the chosen token, raw distribution
-    top_logprobs: dict[int, Logprob] | None = None
+    logprobs: TokenLogprobs | None = None  # the chosen token's and the top alternatives (raw distribution)
 
 
 def apply_penalties(
@@ -88,20 +88,21 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """One token per row of ``logits`` (float32 ``[len(seqs), vocab]``, on any device)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int] = frozenset()) -> list[SampleResult]:
+        """One token per row of ``logits`` (float32 ``[len(seqs), vocab]``, on any device).
+        ``constrained``: ids of sequences a grammar ends (``min_tokens`` does not hold them)."""
         logits = logits.float()
         if logits.device.type != "cpu":
             # Sampling runs on the CPU (per-sequence generators, Python-side processors);
             # a batch of plain greedy rows needs only its argmax from the device.
-            if all(s.params.greedy and s.params.logprobs is None and not _needs_processing(s) for s in seqs):
+            if all(s.params.greedy and s.params.logprobs is None and not _needs_processing(s, constrained) for s in seqs):
                 return [SampleResult(int(t)) for t in logits.argmax(dim=-1).tolist()]
             logits = logits.cpu()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(_needs_processing(s) for s in seqs):
-            logits = self._process(logits.clone(), seqs)  # the caller's logits stay raw
+        if any(_needs_processing(s, constrained) for s in seqs):
+            logits = self._process(logits.clone(), seqs, constrained)  # the caller's logits stay raw
 
         greedy = [s.params.greedy for s in seqs]
         token_ids = torch.empty(len(seqs), dtype=torch.long)
@@ -125,16 +126,16 @@ class Sampler:
         if raw_logprobs is not None:
             for row, (seq, result) in enumerate(zip(seqs, results)):
                 if seq.params.logprobs is not None:
-                    result.logprob, result.top_logprobs = top_logprobs(raw_logprobs[row], result.token_id, seq.params.logprobs)
+                    result.logprobs = top_logprobs(raw_logprobs[row], result.token_id, seq.params.logprobs)
         return results
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
             params = seq.params
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
                 logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
-            if seq.num_output_tokens < params.min_tokens and seq.matcher is None:  # a grammar decides its own end
+            if seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained:  # a grammar decides its own end
                 banned = set(params.stop_token_ids or ())
                 if not params.ignore_eos:
                     banned |= self.eos_token_ids
@@ -166,24 +167,27 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _needs_processing(seq: Sequence) -> bool:
+def _needs_processing(seq: Sequence, constrained: frozenset[int]) -> bool:
     params = seq.params
     return bool(
         params.logit_bias
-        or (seq.num_output_tokens < params.min_tokens and seq.matcher is None)
+        or (seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained)
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> tuple[float, dict[int, Logprob]]:
-    """The chosen token's logprob and a dict of it plus the top ``k`` alternatives,
-    each with its rank (1 = most likely)."""
+def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank (1 = most likely), then the top ``k``
+    alternatives (the chosen one not repeated)."""
     chosen_logprob = float(logprobs[chosen])
-    out = {chosen: Logprob(chosen, chosen_logprob, int((logprobs > chosen_logprob).sum()) + 1)}
+    ids, values, ranks = [chosen], [chosen_logprob], [int((logprobs > chosen_logprob).sum()) + 1]
     if k > 0:
-        values, ids = logprobs.topk(k)
-        for rank, (value, token) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            out.setdefault(token, Logprob(token, value, rank))
-    return chosen_logprob, out
+        top_values, top_ids = logprobs.topk(k)
+        for rank, (value, token) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
+            if token != chosen:
+                ids.append(token)
+                values.append(value)
+                ranks.append(rank)
+    return TokenLogprobs(ids, values, ranks)

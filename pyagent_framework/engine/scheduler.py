@@ -28,6 +28,11 @@ class ScheduledBatch:
     num_preempted: int = 0
     # Sequences whose proposer call raised (no draft, still scheduled): the engine fails them.
     failed: list = field(default_factory=list)
+    # Sequences whose grammar compiled but could not start (a matcher or parser raised),
+    # or failed to compile (the front end was told): (sequence, error).
+    not_started: list = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    decode_step: bool = False  # every sequence decodes (one token, or a draft)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -46,9 +51,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         kv_transfer=None,
         speculator=None,
+        grammar=None,
         max_model_len: int | None = None,
     ) -> None:
         self.pool = pool
+        self.grammar = grammar  # GrammarGate: sequences wait in it until their grammar compiles
         self.kv_transfer = kv_transfer  # KVTransfer: loads prefix blocks a connector holds
         self.speculator = speculator  # SpeculativeDecoder: drafts tokens for decoding sequences
         self.max_model_len = max_model_len
@@ -56,6 +63,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -77,8 +85,13 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        if self.grammar is not None and self.grammar.compiling:
+            ready, batch.not_started = self.grammar.ready()
+            for seq in ready:
+                self.add(seq)
         if self.speculator is not None:
-            batch.failed = self.speculator.draft(self.running, self.max_model_len)
+            held = self.grammar.held() if self.grammar is not None else frozenset()
+            batch.failed = self.speculator.draft(self.running, self.max_model_len, held)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -125,6 +138,7 @@ class Scheduler:
                 self.running.append(seq)
                 batch.items.append((seq, num_new))
                 budget -= num_new
+        batch.decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         return batch
 
     def _preemption_victim(self, scheduled: set[int]) -> Sequence:
@@ -140,4 +154,5 @@ class Scheduler:
         self.pool.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(seq)

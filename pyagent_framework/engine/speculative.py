@@ -110,7 +110,9 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ before scheduling
 
     @staticmethod
-    def takes_part(seq: Sequence) -> bool:
+    def takes_part(seq: Sequence, held: frozenset[int] = frozenset()) -> bool:
+        """Whether ``seq`` may draft; ``held``: ids of sequences a grammar waits to
+        constrain (their reasoning has not ended), which decode without drafts."""
         params = seq.params
         return (
             params.speculative
@@ -120,21 +122,23 @@ class SpeculativeDecoder:
             and params.presence_penalty == 0.0
             and not params.logit_bias
             and seq.num_output_tokens >= params.min_tokens
-            and (seq.matcher is None or seq.reasoning_end is None)  # a grammar, once it constrains
+            and seq.seq_id not in held  # a grammar drafts once it constrains
             # A seeded request draws once per token from its own generator (its samples
             # repeat whatever the batch); a draft's accept/resample draws would depend on
             # how long the draft was, so seeded sampling decodes without drafts.
             and (params.greedy or params.seed is None)
         )
 
-    def draft(self, running: list[Sequence], max_model_len: int) -> list[tuple[Sequence, PluginCallError]]:
+    def draft(
+        self, running: list[Sequence], max_model_len: int, held: frozenset[int] = frozenset()
+    ) -> list[tuple[Sequence, PluginCallError]]:
         """Ask the proposer for drafts for the decoding sequences of ``running`` and
         append them to their tokens (``seq.spec_tokens`` remembers them). A proposer
         that raises is asked again one request at a time; the sequences whose own call
         raises get no draft and are returned with the error, for the engine to fail."""
         seqs, requests = [], []
         for seq in running:
-            if seq.spec_tokens or seq.num_computed_tokens != seq.num_tokens - 1 or not self.takes_part(seq):
+            if seq.spec_tokens or seq.num_computed_tokens != seq.num_tokens - 1 or not self.takes_part(seq, held):
                 continue
             room = max_model_len - seq.num_tokens  # positions left in the context window
             if seq.params.max_tokens is not None:
@@ -219,12 +223,11 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ after the forward pass
 
     @staticmethod
-    def mask_for_grammar(seq: Sequence, logits: torch.Tensor, draft: list[int], apply_masks) -> list[int]:
+    def mask_for_grammar(matcher, logits: torch.Tensor, draft: list[int], apply_masks) -> list[int]:
         """Mask ``logits`` (``[1 + n, vocab]``, in place) row by row with the grammar's
         state after each draft prefix; returns the draft cut before its first token the
         grammar refuses (that token could never be kept). The matcher is rolled back to
         where it was: the verified tokens advance it when they are appended."""
-        matcher = seq.matcher
         walked = 0
         for i in range(len(draft) + 1):
             apply_masks(logits[i : i + 1], [matcher])

@@ -28,7 +28,6 @@ import atexit
 import concurrent.futures
 import json
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -36,14 +35,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from pyagent_framework import registries
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.grammar_worker import GrammarWorker, WorkerDied, kill_all
-from pyagent_framework.engine.params import StructuredOutputsParams
-from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher, LayerOps
+from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher, LayerOps, apply_token_bitmask, bitmask_words  # noqa: F401
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
 logger = logging.getLogger("pyagent_framework.engine")
@@ -54,7 +51,6 @@ MAX_CONCURRENT_COMPILES = 2
 MAX_ABANDONED_COMPILES = 4
 EXIT_WAIT_SECONDS = 10.0
 WORKER_START_TIMEOUT = 120.0  # for a worker process to start, or to load a backend
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 _compile_threads: set[threading.Thread] = set()
 
 
@@ -107,31 +103,11 @@ def tokenizer_info(tokenizer: Any, vocab_size: int) -> TokenizerInfo:
     return TokenizerInfo(tuple(vocab), frozenset(tokenizer.eos_token_ids), frozenset(specials))
 
 
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: set to -inf every logit whose bit is clear. ``logits`` is
-    ``[batch, vocab]``, ``bitmask`` packed ``int32`` ``[batch, ceil(vocab / 32)]``
-    (bit ``t % 32`` of word ``t // 32`` allows token ``t``)."""
-    batch, vocab = logits.shape
-    if sys.byteorder == "little" and logits.device.type == "cpu" and logits.is_contiguous():
-        # numpy's single-threaded loops: torch's ops here would each open an OpenMP
-        # region whose spinning workers then slow the next forward pass (2 cores).
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little")
-        np.putmask(logits.numpy(), bits == 0, -np.inf)
-        return
-    bitmask = bitmask.to(logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).view(batch, -1)[:, :vocab]
-    logits.masked_fill_(allowed == 0, float("-inf"))
-
-
 class StructuredOutputManager:
     """Compiles specs for the engine and keeps the compiled-grammar cache.
 
-    ``submit`` may be called from any thread (the server awaits it before queueing a
-    request, so a bad spec is a 400 before anything streams); it returns a future of
+    ``submit`` may be called from any thread (the front end waits for it before a
+    request runs, so a bad spec is a 400 before anything streams); it returns a future of
     a :class:`Grammar` that fails with :class:`InvalidRequestError` naming the
     problem. :meth:`close` kills its worker processes.
     """
@@ -170,9 +146,12 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ compiling
 
-    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
-        spec = params.spec()
-        choice = params.backend or self.default_backend
+    def submit(self, spec: GrammarSpec, backend: str | None = None) -> concurrent.futures.Future:
+        """Compile ``spec`` (checked by the front end) with ``backend`` (a name, or the
+        default); the future holds the :class:`Grammar`, or fails with
+        InvalidRequestError. Compiled grammars are cached; a spec already compiling
+        shares its compile."""
+        choice = backend or self.default_backend
         names = self._candidates(choice, spec)
         key = (choice, spec.kind, _spec_text(spec))
         with self._lock:

@@ -52,7 +52,6 @@ def serve(engine_config, config: ServerConfig) -> None:
     import uvicorn
 
     from pyagent_framework.engine.async_llm import AsyncLLM
-    from pyagent_framework.engine.llm_engine import LLMEngine
 
     tool_parser, reasoning_parser = load_parsers(config)  # before the weights load: fail fast
     log = logging.getLogger("pyagent_framework")
@@ -68,7 +67,7 @@ def serve(engine_config, config: ServerConfig) -> None:
             server.should_exit = True  # stop accepting; open requests have their error already
         threading.Timer(DEAD_EXIT_SECONDS, exit_now).start()
 
-    engine = AsyncLLM(LLMEngine(engine_config), step_timeout=config.step_timeout, on_dead=engine_died)
+    engine = AsyncLLM.from_config(engine_config, step_timeout=config.step_timeout, on_dead=engine_died)
     model_name = config.served_model_name or engine_config.model or "smollm2"
     app = build_app(engine, config, model_name=model_name, tool_parser_cls=tool_parser, reasoning_parser_cls=reasoning_parser)
     logging.getLogger("pyagent_framework").info("serving %r on http://%s:%d", model_name, config.host, config.port)

@@ -23,7 +23,8 @@ from pyagent_framework.server import protocol as api
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import ERROR_RESPONSES, APIError, error_body
 from pyagent_framework.server.metrics import ServerMetrics
-from pyagent_framework.server.serving import Events, OpenAIServing, as_api_error
+from pyagent_framework.server.serving import OpenAIServing
+from pyagent_framework.server.streaming import Events, as_api_error
 
 logger = logging.getLogger("pyagent_framework.server")
 

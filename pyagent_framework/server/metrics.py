@@ -46,8 +46,9 @@ class ServerMetrics:
             metric.labels(model_name)  # exported from the start, at zero
         self.registry.register(_EngineCollector(stats, model_name))
 
-    def track(self, num_prompt_tokens: int) -> "RequestTracker":
-        return RequestTracker(self, num_prompt_tokens)
+    def track(self, num_prompt_tokens: int, *, delta: bool = False) -> "RequestTracker":
+        """A tracker for one request; ``delta``: its outputs carry only what is new."""
+        return RequestTracker(self, num_prompt_tokens, delta=delta)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -57,9 +58,10 @@ class RequestTracker:
     """Observes one engine request's outputs; ``close()`` records how it ended (an
     unfinished request counts as aborted: its client went away)."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, *, delta: bool = False) -> None:
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
+        self.delta = delta
         self.last: RequestOutput | None = None
         self.last_time: float | None = None
         self.num_tokens = 0
@@ -68,8 +70,8 @@ class RequestTracker:
     def update(self, out: RequestOutput) -> None:
         m, label = self.metrics, self.metrics.model_name
         now = time.time()
-        num_tokens = sum(len(o.token_ids) for o in out.outputs)
-        new = num_tokens - self.num_tokens
+        count = sum(len(o.token_ids) for o in out.outputs)
+        new = count if self.delta else count - self.num_tokens
         if new > 0:
             if self.last_time is None:
                 first = out.metrics.first_token_time or now
@@ -80,7 +82,7 @@ class RequestTracker:
                     m.itl.labels(label).observe(gap)
             self.last_time = now
             m.generation_tokens.labels(label).inc(new)
-            self.num_tokens = num_tokens
+            self.num_tokens += new  # all of the request's output tokens so far
         self.last = out
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ def tokens(llm, prompts):
 @pytest.mark.parametrize("name", ["lfu", "arc", "s3fifo"])
 def test_engine_greedy_matches_transformers_under_evictions(llama, prompts, expected, name):
     llm = LLM(llama, eviction_policy=name, kv_cache_memory="64MiB", **TINY_POOL)
-    assert type(llm.engine.pool.policy.policy).__module__ == f"pyagent_eviction.{name}"  # behind the engine's guard
+    assert type(llm.engine.core.pool.policy.policy).__module__ == f"pyagent_eviction.{name}"  # behind the engine's guard
     # One request first, so the others find its prefix filed; then all together twice.
     assert tokens(llm, prompts[:1]) == expected[:1]
     assert tokens(llm, prompts) == expected

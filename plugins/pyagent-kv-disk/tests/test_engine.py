@@ -57,7 +57,7 @@ def test_offload_brings_evicted_blocks_back(path, tmp_path):
     llm = _engine(path, tmp_path, num_kv_blocks=24, max_model_len=64)
     for prompt, want in zip(prompts, expected):
         assert _tokens(llm, [prompt]) == [want]
-    assert llm.engine.kv_transfer.flush(timeout=10)
+    assert llm.engine.core.kv_transfer.flush(timeout=10)
     assert llm.engine.stats()["prefix_cache_evictions"] > 0
     assert _tokens(llm, prompts[:1]) == expected[:1]
     assert llm.engine.stats()["kv_connector_loaded_blocks"] >= 10

@@ -75,7 +75,7 @@ def test_a_second_engine_process_loads_what_the_first_saved(path, redis_url):
 def test_redis_dying_mid_run_costs_misses_and_it_is_used_again_when_back(path, own_redis_server):
     server = own_redis_server
     llm = _engine(path, server.url)
-    transfer = llm.engine.kv_transfer
+    transfer = llm.engine.core.kv_transfer
     first = _prompts(seed=1)
     assert _tokens(llm, first) == _tokens(_engine(path), first)
     assert transfer.flush(timeout=10)
@@ -105,7 +105,7 @@ def test_a_flipped_byte_in_redis_is_a_counted_miss(path, redis_server, redis_url
     prompts = _prompts(seed=4)
     first = _engine(path, redis_url)
     expected = _tokens(first, prompts)
-    assert first.engine.kv_transfer.flush(timeout=10)
+    assert first.engine.core.kv_transfer.flush(timeout=10)
     keys = redis_server.command("KEYS", "pyagent:kv:*")
     assert keys
     for key in keys:

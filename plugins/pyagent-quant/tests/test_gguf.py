@@ -122,7 +122,7 @@ def test_gguf_is_the_default_for_gguf_files(models):
 
 def test_linears_keep_the_files_encodings(models):
     name, _, packed, _, _ = models
-    model = packed.engine.model
+    model = packed.engine.core.model
     modules = dict(model.named_modules())
     assert not any(type(m) is nn.Linear for m in model.modules())
     for module_name, encoding in EXPECTED.items():
@@ -144,8 +144,8 @@ def test_packed_weights_decode_to_the_dequantized_model(models):
     """Every packed module's weight is the fp32 model's weight, bit for bit (the Q/K
     unpermutation moved whole rows of bytes); the float ones too."""
     _, _, packed, plain, _ = models
-    floats = dict(plain.engine.model.named_modules())
-    for name, module in packed.engine.model.named_modules():
+    floats = dict(plain.engine.core.model.named_modules())
+    for name, module in packed.engine.core.model.named_modules():
         if isinstance(module, PackedLinear):
             want = floats[name].weight.detach()
             assert torch.equal(module.dequantize().view(torch.int32), want.view(torch.int32)), name
@@ -153,7 +153,7 @@ def test_packed_weights_decode_to_the_dequantized_model(models):
             assert torch.equal(module.weight.view(torch.int32), floats[name].weight.view(torch.int32)), name
     table = floats["model.embed_tokens"].weight.detach()
     ids = torch.arange(table.shape[0])
-    assert torch.equal(packed.engine.model.model.embed_tokens(ids), table)
+    assert torch.equal(packed.engine.core.model.model.embed_tokens(ids), table)
 
 
 def test_unread_type_is_dequantized_with_a_warning(models):
@@ -219,7 +219,7 @@ def test_int8_activations_option(models, tiny_tokenizer_dir):
     path's (a small shift, not the same bits), and prefill is unchanged."""
     _, path, packed, _, _ = models
     fast = LLM(path, tokenizer=tiny_tokenizer_dir, quantization_config={"activations": "int8"}, **ENGINE)
-    linears = [m for m in fast.engine.model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in fast.engine.core.model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.int8_activations for m in linears)
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=5, ignore_eos=True)
     for a, b in zip(packed.generate(PROMPTS, params), fast.generate(PROMPTS, params), strict=True):

@@ -141,7 +141,7 @@ def test_int4_group_size_as_a_json_float(llama):
     except ConfigError as exc:
         assert exc.field == "quantization_config"
         return
-    assert {m.packed.encoding for m in llm.engine.model.modules() if isinstance(m, PackedLinear)} == {"I4_G64"}
+    assert {m.packed.encoding for m in llm.engine.core.model.modules() if isinstance(m, PackedLinear)} == {"I4_G64"}
 
 
 def test_quantization_config_that_is_no_json_object(llama):
@@ -172,7 +172,7 @@ def test_command_line_flags(llama):
     )
     llm = LLM(**engine_args(args))
     assert llm.engine.stats()["quantization"] == "int4"
-    encodings = {m.packed.encoding for m in llm.engine.model.modules() if isinstance(m, PackedLinear)}
+    encodings = {m.packed.encoding for m in llm.engine.core.model.modules() if isinstance(m, PackedLinear)}
     assert encodings == {"I4_G64"}
 
 
@@ -224,7 +224,7 @@ def test_untied_llama(llama, baseline, quantization, options, encoding):
     base, expected = baseline["llama"]
     llm = LLM(llama, quantization=quantization, quantization_config=options, **ENGINE)
     assert llm.engine.stats()["quantization"] == quantization
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert not any(type(m) is nn.Linear for m in model.modules())  # every linear replaced
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; lm_head
@@ -237,7 +237,7 @@ def test_untied_llama(llama, baseline, quantization, options, encoding):
 def test_tied_qwen2_packs_the_shared_matrix_once(qwen2, baseline, quantization, options, encoding):
     base, expected = baseline["qwen2"]
     llm = LLM(qwen2, quantization=quantization, quantization_config=options, **ENGINE)
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert not any(type(m) is nn.Linear for m in model.modules())
     head, embedding = model.lm_head, model.model.embed_tokens
     assert isinstance(head, PackedLinear) and isinstance(embedding, PackedEmbedding)
@@ -255,7 +255,7 @@ def test_tied_qwen2_packs_the_shared_matrix_once(qwen2, baseline, quantization, 
 
 
 def check_close(base: LLM, expected, llm: LLM, quantization: str, encoding: str) -> None:
-    eps = relative_weight_error(base.engine.model, llm.engine.model)
+    eps = relative_weight_error(base.engine.core.model, llm.engine.core.model)
     # eps of the expected size: weights N(0, 0.1), int8's step max|w|/127 per row
     # (~0.3/127: eps ~ step/sqrt(12)/0.1 ~ 0.007), int4's (max-min)/15 per group (~0.08).
     assert 0 < eps < (0.01 if encoding == "I8" else 0.15), eps
@@ -272,14 +272,14 @@ def test_fp8_runs_close_to_fp32(request, baseline, arch):
     path = request.getfixturevalue(arch)
     base, expected = baseline[arch]
     llm = LLM(path, quantization="fp8", **ENGINE)
-    model = llm.engine.model
+    model = llm.engine.core.model
     linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
     if arch == "qwen2":  # fp8 does not pack: the tied head stays the embedding's float linear
         assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
     else:
         assert not any(type(m) is nn.Linear for m in model.modules())
-    eps = relative_weight_error(base.engine.model, model)
+    eps = relative_weight_error(base.engine.core.model, model)
     assert 0 < eps < 2.0**-4  # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4
     got = llm.generate(PROMPTS, FIRST)
     deviation = first_token_deviation(expected, got)

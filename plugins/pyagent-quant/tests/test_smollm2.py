@@ -79,9 +79,9 @@ def scores(gguf, fp32, int8, int4):
 
 def test_default_is_the_embedded_gguf_as_stored(gguf):
     engine = gguf.engine
-    assert engine.model_path.endswith(".gguf") and "smollm2" in engine.model_path.lower()
+    assert engine.core.model_path.endswith(".gguf") and "smollm2" in engine.core.model_path.lower()
     assert engine.stats()["quantization"] == "gguf"
-    model = engine.model
+    model = engine.core.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 30 * 4 + 1
     assert {m.packed.encoding for m in linears} == {"Q4_1", "Q8_0"}
@@ -91,7 +91,7 @@ def test_default_is_the_embedded_gguf_as_stored(gguf):
 
 
 def test_int4_keeps_the_tied_head_in_int8(int4):
-    model = int4.engine.model
+    model = int4.engine.core.model
     assert model.lm_head.packed is model.model.embed_tokens.packed and model.lm_head.packed.encoding == "I8"
     layers = {m.packed.encoding for name, m in model.named_modules() if isinstance(m, PackedLinear) and name != "lm_head"}
     assert layers == {"I4_G32"}

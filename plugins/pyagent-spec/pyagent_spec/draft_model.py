@@ -1,10 +1,11 @@
 """``DraftModelProposer``: a smaller model of the same tokenizer drafts the tokens.
 
-The draft model runs in an engine of its own (:class:`LLMEngine`: its own weights,
-scheduler and paged KV cache, on the target's device by default). Each step, every
-sequence to draft for becomes a greedy request of the draft engine whose prompt is the
-sequence so far and whose ``max_tokens`` is the draft length asked for; the draft
-engine runs them batched until all are done, and their outputs are the drafts. Its
+The draft model runs in an engine of its own (:class:`pyagent_framework.LLM` with its
+core in this process: its own weights, scheduler and paged KV cache, on the target's
+device by default). Each step, every sequence to draft for becomes a greedy request of
+the draft engine whose prompt is the sequence so far and whose ``max_tokens`` is the
+draft length asked for; ``generate`` runs them batched until all are done, and their
+outputs are the drafts. Its
 prefix cache keeps each sequence's blocks from the step before, so a step costs the
 draft model the few new tokens plus ``k`` decode steps, not a fresh prefill.
 
@@ -21,11 +22,9 @@ Config (``--speculative-config``, or ``--speculative-model PATH`` for ``model``)
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.interfaces import Proposer
 from pyagent_framework.types import Draft, DraftRequest
 
@@ -60,40 +59,32 @@ class DraftModelProposer(Proposer):
     """Drafts with a smaller model of the same tokenizer (module docstring)."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
-        from pyagent_framework.engine.config import make_config
-        from pyagent_framework.engine.llm_engine import LLMEngine
+        from pyagent_framework import LLM
 
         values = parse_config("draft_model", config, _KNOWN)
         engine_args = {key: value for key, value in values.items() if value is not None}
-        engine_args["enable_prefix_caching"] = True
-        self.engine = LLMEngine(make_config(engine_args, env=False))
-        self._ids = itertools.count()
+        # Its own engine core, in this process (the target's core process), built from
+        # these options only: the target's PYAGENT_* settings are not the draft's.
+        self.llm = LLM(environment=False, engine_process=False, enable_prefix_caching=True, **engine_args)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         from pyagent_framework import SamplingParams
 
-        engine = self.engine
-        room = engine.max_model_len
-        pending: dict[str, int] = {}
+        llm = self.llm
+        room, vocab = llm.max_model_len, llm.vocab_size
         drafts: list[Draft] = [Draft([]) for _ in requests]
+        asked, prompts, params = [], [], []
         for index, request in enumerate(requests):
             length = min(request.max_tokens, room - len(request.token_ids))
-            if length <= 0:
-                continue
-            request_id = f"draft-{next(self._ids)}"
-            params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
-            try:
-                engine.add_request(request_id, list(request.token_ids), params)
-            except InvalidRequestError:  # e.g. a token the draft vocabulary lacks: no draft
-                continue
-            pending[request_id] = index
-        while pending:
-            for out in engine.step():
-                index = pending.get(out.request_id)
-                if index is not None and out.finished:
-                    drafts[index] = Draft(list(out.outputs[0].token_ids))
-                    del pending[out.request_id]
+            if length <= 0 or any(not 0 <= token < vocab for token in request.token_ids):
+                continue  # no room left, or a token the draft vocabulary lacks: no draft
+            asked.append(index)
+            prompts.append(list(request.token_ids))
+            params.append(SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True))
+        if prompts:
+            for index, out in zip(asked, llm.generate(prompts, params)):
+                drafts[index] = Draft(list(out.outputs[0].token_ids))
         return drafts
 
     def close(self) -> None:
-        self.engine.close()
+        self.llm.close()

@@ -1,0 +1,129 @@
+"""How the front end reaches the engine core: :class:`InprocClient` (the core in this
+process, stepped by the caller's thread: tests, debugging) or
+:class:`~.process_client.ProcessClient` (the core in a process of its own, over ZMQ
+with typed msgpack messages; the default).
+
+Both offer the same calls: ``add_request`` (a future that resolves once the core has
+the request; for a structured-output request, once its grammar compiled),
+``abort_requests``, ``get_outputs`` (the next step's deltas), ``stats`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.errors import EngineDeadError, EngineStalledError
+from pyagent_framework.messages import AddRequest, CoreOutputs
+
+logger = logging.getLogger("pyagent_framework.engine")
+
+__all__ = ["EngineDeadError", "EngineStalledError", "InprocClient"]
+
+STATS_WAIT_SECONDS = 0.25  # how long stats() waits for the core before answering from the last answer
+
+
+def settle(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
+    """Resolve ``target`` with None, or with ``source``'s error."""
+    if target.done():
+        return
+    error = source.exception()
+    target.set_exception(error) if error is not None else target.set_result(None)
+
+
+class InprocClient:
+    """The core in this process. ``get_outputs`` runs a step on the calling thread;
+    adds and aborts from other threads are applied before the next step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pyagent_framework.engine.core import EngineCore
+
+        self.core = EngineCore(config)
+        self.info = self.core.info()
+        self.error: BaseException | None = None
+        self.step_started: float | None = None  # monotonic time the running step began
+        self._lock = threading.Lock()  # the core: one step, add or abort at a time
+        self._adds: deque[tuple[AddRequest, concurrent.futures.Future]] = deque()
+        self._aborts: deque[list[str]] = deque()
+        self._wake = threading.Event()
+        self._last_stats: dict[str, Any] = {}
+
+    def add_request(self, request: AddRequest) -> concurrent.futures.Future:
+        ack: concurrent.futures.Future = concurrent.futures.Future()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_queued()
+                self._add(request, ack)
+            finally:
+                self._lock.release()
+        else:  # a step runs: applied before the next one
+            self._adds.append((request, ack))
+        self._wake.set()
+        return ack
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_queued()
+                self.core.abort_requests(request_ids)
+            finally:
+                self._lock.release()
+        else:
+            self._aborts.append(list(request_ids))
+        self._wake.set()
+
+    def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
+        """Run one step (None if there is nothing to run for ``timeout`` seconds)."""
+        with self._lock:
+            self._apply_queued()
+            busy = self.core.has_unfinished_requests()
+        if not busy:
+            if timeout:
+                self._wake.wait(timeout)
+                self._wake.clear()
+            return None
+        with self._lock:
+            self._apply_queued()
+            self.step_started = time.monotonic()
+            try:
+                return self.core.step()
+            finally:
+                self.step_started = None
+
+    def stats(self) -> dict[str, Any]:
+        """The core's counters, read between steps; while a step runs longer than a
+        moment, those of the last read (so /metrics never hangs on the engine)."""
+        if not self._lock.acquire(timeout=STATS_WAIT_SECONDS):
+            return dict(self._last_stats)
+        try:
+            self._last_stats = self.core.stats()
+        finally:
+            self._lock.release()
+        return dict(self._last_stats)
+
+    def close(self) -> None:
+        self.core.close()
+
+    def _add(self, request: AddRequest, ack: concurrent.futures.Future) -> None:
+        try:
+            grammar = self.core.add_request(request)
+        except Exception as exc:
+            ack.set_exception(exc)
+            return
+        if grammar is None:
+            ack.set_result(None)
+        else:
+            grammar.add_done_callback(lambda done: settle(ack, done))
+
+    def _apply_queued(self) -> None:
+        while self._adds:
+            self._add(*self._adds.popleft())
+        while self._aborts:
+            self.core.abort_requests(self._aborts.popleft())

@@ -1,0 +1,233 @@
+"""The engine core's own process: ``python -m pyagent_framework.engine.core_process IN OUT``.
+
+Started by :class:`~.process_client.ProcessClient`, which writes a length-prefixed
+:class:`~pyagent_framework.messages.CoreStartup` to its standard input and keeps that
+pipe open: when it closes (the front end exited or was killed), the core exits too;
+on Linux the parent-death signal backs that up. The core connects to the front end's
+sockets, is built, says :class:`CoreReady` (or :class:`CoreFailed` with a typed error),
+then loops: apply the messages that arrived, step while there is work, send the
+deltas. It owns its threads: torch's pool here competes with nothing of the caller's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pyagent_framework.engine.faults import as_core_error
+from pyagent_framework.messages import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    CoreError,
+    CoreFailed,
+    CoreOutput,
+    CoreOutputs,
+    CoreReady,
+    CoreStartup,
+    ErrorCode,
+    FromCore,
+    GrammarReady,
+    Shutdown,
+    ToCore,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger("pyagent_framework.engine")
+
+IDLE_POLL_MS = 500  # how long an idle core waits for a message
+COMPILING_POLL_MS = 5  # while a grammar compiles
+EXIT_DEAD = 3  # the exit status of a core that failed (a model forward, a stalled step)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL when the parent dies (then check it did not die already)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _watch_stdin() -> None:
+    """The front end holds our standard input open; EOF means it is gone."""
+    try:
+        while os.read(0, 4096):
+            pass
+    finally:
+        os._exit(0)
+
+
+def _read_exact(size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            os._exit(0)  # the front end went away before starting us
+        data += chunk
+    return data
+
+
+def _read_startup() -> CoreStartup:
+    (size,) = struct.unpack("<I", _read_exact(4))
+    return msgspec.msgpack.decode(_read_exact(size), type=CoreStartup)
+
+
+class CoreServer:
+    """The loop around one :class:`EngineCore`."""
+
+    def __init__(self, core, inbox: zmq.Socket, outbox: zmq.Socket, step_timeout: float | None) -> None:
+        self.core = core
+        self.inbox, self.outbox = inbox, outbox
+        self.to_core, self.from_core = Codec(ToCore), Codec(FromCore)
+        self.send_lock = threading.Lock()  # the watchdog may report from its thread
+        self.grammar_acks: list[tuple[str, Any]] = []  # (request id, compile future)
+        self.step_started: float | None = None
+        self.step_timeout = step_timeout
+        self.stopping = False
+
+    def send(self, message: Any) -> None:
+        data = self.from_core.encode(message)
+        with self.send_lock:
+            self.outbox.send(data, copy=False)
+
+    def run(self) -> None:
+        from pyagent_framework.engine.faults import ModelForwardError
+
+        if self.step_timeout is not None:
+            threading.Thread(target=self._watch, name="pyagent-watchdog", daemon=True).start()
+        while not self.stopping:
+            busy = self.core.has_unfinished_requests()
+            timeout = 0 if busy else (COMPILING_POLL_MS if self.grammar_acks else IDLE_POLL_MS)
+            if self.inbox.poll(timeout):
+                self._drain()
+            self._ack_grammars()
+            if self.stopping or not self.core.has_unfinished_requests():
+                continue
+            self.step_started = time.monotonic()
+            try:
+                outputs = self.core.step()
+            except ModelForwardError as exc:
+                self.fail(exc, traceback.format_exc())
+                return
+            finally:
+                self.step_started = None
+            if outputs.outputs:
+                self.send(outputs)
+
+    def _drain(self) -> None:
+        while not self.stopping:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = self.to_core.decode(data.buffer)
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            elif isinstance(message, UtilityCall):
+                self._call(message)
+            elif isinstance(message, Shutdown):
+                self.stopping = True
+
+    def _add(self, request: AddRequest) -> None:
+        try:
+            grammar = self.core.add_request(request)
+        except Exception as exc:  # the front end validated it: a race or a bug, this request's
+            error = as_core_error(exc)
+            if request.grammar is not None:
+                self.send(GrammarReady(request.request_id, error))
+            else:
+                self.send(CoreOutputs([CoreOutput(request.request_id, finish_reason="error", error=error)], time.time()))
+            return
+        if grammar is not None:
+            self.grammar_acks.append((request.request_id, grammar))
+
+    def _ack_grammars(self) -> None:
+        still = []
+        for request_id, future in self.grammar_acks:
+            if not future.done():
+                still.append((request_id, future))
+                continue
+            error = future.exception()
+            self.send(GrammarReady(request_id, None if error is None else as_core_error(error)))
+        self.grammar_acks = still
+
+    def _call(self, call: UtilityCall) -> None:
+        if call.method == "stats":
+            self.send(UtilityResult(call.call_id, self.core.stats()))
+        else:
+            self.send(UtilityResult(call.call_id, error=CoreError(ErrorCode.INTERNAL, f"no engine call {call.method!r}")))
+
+    def _watch(self) -> None:
+        """The watchdog: a step running longer than ``step_timeout`` ends the core."""
+        period = min(1.0, self.step_timeout / 4)
+        while True:
+            time.sleep(period)
+            started = self.step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+                message = f"an engine step has made no progress for {self.step_timeout:g} s (step_timeout)"
+                self.fail(RuntimeError(message), f"the engine core is at:\n{where}")
+                os._exit(EXIT_DEAD)
+
+    def fail(self, exc: BaseException, details: str) -> None:
+        logger.critical("the engine core failed: %s\n%s", exc, details)
+        try:
+            self.send(CoreFailed(CoreError(ErrorCode.ENGINE_DEAD, str(exc)), details))
+        except Exception:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    input_address, output_address = (argv or sys.argv[1:])[:2]
+    startup = _read_startup()
+    threading.Thread(target=_watch_stdin, name="pyagent-parent-watch", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us in order
+    logging.basicConfig(level=os.environ.get("PYAGENT_CORE_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s [core]: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    codec = Codec(FromCore)
+
+    from pyagent_framework.engine.config import EngineConfig
+    from pyagent_framework.engine.core import EngineCore
+
+    try:
+        core = EngineCore(EngineConfig(**startup.config))
+    except Exception as exc:
+        outbox.send(codec.encode(CoreFailed(as_core_error(exc), traceback.format_exc())))
+        outbox.close(linger=2000)
+        return 1
+    server = CoreServer(core, inbox, outbox, startup.step_timeout)
+    server.send(CoreReady(core.info()))
+    try:
+        server.run()
+    finally:
+        core.close()
+        outbox.close(linger=2000)
+    return 0 if server.stopping else EXIT_DEAD
+
+
+if __name__ == "__main__":
+    status = main()
+    logging.shutdown()
+    os._exit(status)  # daemon threads (the parent watch) block in reads; do not wait on them

@@ -1,0 +1,157 @@
+"""The front end's half of a request's arrival: validation (once), tokenization, chat
+templates and the messages for the engine core.
+
+:meth:`InputProcessor.process` checks every field (errors name it), tokenizes the
+prompt and returns the request's front-end record with one
+:class:`~pyagent_framework.messages.AddRequest` per sample; a structured-output spec
+travels as a :class:`~pyagent_framework.messages.GrammarRequest` the core compiles.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence as Seq
+from typing import Any
+
+import msgspec
+
+from pyagent_framework.chat_templates import render_chat_template
+from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.output_processor import OutputProcessor, RequestState, child_id
+from pyagent_framework.engine.params import SamplingParams
+from pyagent_framework.messages import AddRequest, CoreSamplingParams, GrammarRequest
+
+MAX_CACHE_SALT = 256  # characters
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.chat_template = chat_template
+
+    def render_chat(
+        self,
+        messages: Seq[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools=None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The conversation as prompt text, rendered in the sandbox; ``template_kwargs``
+        reach the template as variables (e.g. ``enable_thinking``)."""
+        source = chat_template or self.chat_template
+        if source is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass chat_template (e.g. 'chatml')", param="messages"
+            )
+        # Content None (an assistant message that only calls tools, as OpenAI sends it)
+        # renders as "": templates test and concatenate content, and None breaks that.
+        messages = [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
+        return render_chat_template(
+            source,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=getattr(self.tokenizer, "bos_token", None) or "",
+            eos_token=getattr(self.tokenizer, "eos_token", None) or "",
+            **template_kwargs,
+        )
+
+    def tokenize_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or ids; raises
+        InvalidRequestError (param ``prompt``) for an empty prompt or an id outside the
+        vocabulary. Reads no engine state, so any thread may call it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if prompt is None or isinstance(prompt, (bytes, Mapping)):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {token!r} is not a token id of this model (0..{self.vocab_size - 1})", param="prompt"
+                )
+        return None, ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Seq[int] | None,
+        params: SamplingParams | None,
+        outputs: OutputProcessor,
+        *,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+        reasoning_parser: str | None = None,
+        reasoning_request: Mapping[str, Any] | None = None,
+    ) -> tuple[RequestState, list[AddRequest]]:
+        """Validate and tokenize a request; raises :class:`InvalidRequestError` naming
+        the bad field. ``reasoning_parser`` (a registry name) makes a structured-output
+        grammar constrain only the answer after the model's reasoning, as that parser
+        (prepared with the prompt and ``reasoning_request``) finds its end."""
+        params = (params or SamplingParams()).validate(self.vocab_size)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", param="cache_salt"
+            )
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if request_id in outputs.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, ids = self.tokenize_prompt(prompt, add_special_tokens)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the context window is {self.max_model_len}; "
+                "at least one token must be left to generate",
+                param="prompt",
+            )
+        now = time.time() if arrival_time is None else arrival_time
+        core_params = core_sampling_params(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            spec = params.structured_outputs.spec()
+            grammar = GrammarRequest(
+                spec.kind,
+                list(spec.value) if isinstance(spec.value, tuple) else spec.value,
+                params.structured_outputs.backend,
+                reasoning_parser,
+                dict(reasoning_request) if reasoning_parser is not None and reasoning_request is not None else None,
+            )
+        # Prompt logprobs are the first sample's: the others need not compute them.
+        others = msgspec.structs.replace(core_params, prompt_logprobs=None)
+        adds = [
+            AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar)
+            for index in range(params.n)
+        ]
+        return outputs.new_state(request_id, text, list(ids), params, now), adds
+
+
+def core_sampling_params(params: SamplingParams) -> CoreSamplingParams:
+    """What the core reads of validated parameters (prompt logprobs: the first sample's)."""
+    return CoreSamplingParams(
+        temperature=float(params.temperature),
+        top_k=params.top_k,
+        top_p=float(params.top_p),
+        min_p=float(params.min_p),
+        repetition_penalty=float(params.repetition_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        presence_penalty=float(params.presence_penalty),
+        logit_bias={int(k): float(v) for k, v in params.logit_bias.items()} if params.logit_bias else None,
+        seed=params.seed,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids) if params.stop_token_ids else None,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        priority=params.priority,
+        speculative=params.speculative,
+    )

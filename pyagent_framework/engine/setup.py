@@ -1,0 +1,159 @@
+"""Building the engine's parts from its configuration; each failure is a ConfigError
+that names the field. Checked in an order that fails fast: names before weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pyagent_framework import registries
+from pyagent_framework.engine import loader
+from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.engine.errors import ConfigError
+from pyagent_framework.engine.kv_transfer import KVTransfer
+from pyagent_framework.engine.speculative import SpeculativeDecoder
+
+# kv_connector_config keys the engine reads itself (the rest go to the connector).
+KV_TRANSFER_OPTIONS = ("failure_threshold", "backoff_seconds", "max_pending_saves", "model_identity")
+
+logger = logging.getLogger("pyagent_framework.engine")
+
+
+def load_tokenizer(config: EngineConfig, model_path: str) -> tuple[Any, str]:
+    """The tokenizer and its registry name (errors that name it use the name)."""
+    name, path = "hf", model_path
+    if config.tokenizer:
+        if config.tokenizer in registries.tokenizers:
+            name = config.tokenizer
+        else:
+            name, path = "hf", config.tokenizer
+    cls = loader.load_entry(registries.tokenizers, name, "tokenizer")
+    try:
+        return cls.from_pretrained(path), name
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: cannot load {name!r} from {path}: {exc}", field="tokenizer") from exc
+
+
+def max_model_len(config: EngineConfig, model_config: dict) -> int:
+    native = model_config.get("max_position_embeddings")
+    if config.max_model_len is None:
+        if not native:
+            raise ConfigError("the model config has no max_position_embeddings; set max_model_len", field="max_model_len")
+        return int(native)
+    return config.max_model_len
+
+
+def chat_template(config: EngineConfig, tokenizer: Any) -> str | None:
+    name = config.chat_template
+    if not name:
+        return tokenizer.chat_template
+    if name not in registries.chat_templates and name.endswith(".jinja") and Path(name).is_file():
+        return Path(name).read_text(encoding="utf-8")
+    return loader.load_entry(registries.chat_templates, name, "chat_template").source
+
+
+def check_grammar_backend(name: str) -> str:
+    """``auto`` (try each installed backend in turn) or a registered name."""
+    if name != "auto":
+        loader.load_entry(registries.grammar_backends, name, "grammar_backend")
+    return name
+
+
+def kv_connector_class(config: EngineConfig):
+    """The connector's class, checked before the weights load."""
+    if config.kv_connector is None:
+        if config.kv_connector_config:
+            raise ConfigError("kv_connector_config is set but no kv_connector is", field="kv_connector_config")
+        return None
+    if not config.enable_prefix_caching:
+        raise ConfigError(
+            "kv_connector: a KV connector finds blocks by their prefix-cache hashes; enable prefix caching",
+            field="kv_connector",
+        )
+    return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
+
+
+def make_speculator(config: EngineConfig) -> SpeculativeDecoder | None:
+    """The proposer named by ``speculative_method``, built from ``speculative_config``."""
+    method = config.speculative_method
+    if method is None and config.speculative_model is not None:
+        method = "draft_model"
+    if method is None:
+        if config.speculative_config:
+            raise ConfigError("speculative_config is set but no speculative_method is", field="speculative_config")
+        return None
+    cls = loader.load_entry(registries.proposers, method, "speculative_method")
+    options = dict(config.speculative_config or {})
+    if config.speculative_model is not None:
+        options.setdefault("model", config.speculative_model)
+    try:
+        proposer = cls(options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"speculative_config: proposer {method!r} rejects {options}: {exc}",
+            field="speculative_config",
+        ) from None
+    try:
+        return SpeculativeDecoder(proposer, config.num_speculative_tokens, seed=config.seed, name=method)
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="num_speculative_tokens") from None
+
+
+def model_identity(config: EngineConfig, model_path: str, model_config: dict, quantization: str | None) -> bytes:
+    """32 bytes naming the weights as this engine computes with them (dtype and
+    quantization included; ``loader.model_identity``), or the digest of the
+    ``model_identity`` a user names in ``kv_connector_config``. The attention
+    backend is left out: backends agree to float rounding."""
+    named = (config.kv_connector_config or {}).get("model_identity")
+    if named is not None:
+        return hashlib.sha256(b"pyagent-framework named model\0" + str(named).encode()).digest()
+    options = json.dumps(config.quantization_config or {}, sort_keys=True, default=str)
+    variant = f"dtype={config.dtype} quantization={quantization} options={options}"
+    return loader.model_identity(model_path, model_config, variant)
+
+
+def make_kv_transfer(config: EngineConfig, connector_cls, kv_cache: torch.Tensor, identity: bytes | None) -> KVTransfer | None:
+    """The connector built from ``kv_connector_config`` (less the keys the engine
+    reads itself) inside a :class:`KVTransfer`; a rejected option is a ConfigError."""
+    if connector_cls is None:
+        return None
+    options = dict(config.kv_connector_config or {})
+    engine_options = {key: options.pop(key) for key in KV_TRANSFER_OPTIONS if key in options}
+    engine_options.pop("model_identity", None)  # read by model_identity
+    try:
+        connector = connector_cls(options)
+    except (TypeError, ValueError, OSError) as exc:
+        raise ConfigError(
+            f"kv_connector_config: connector {config.kv_connector!r} rejects {options}: {exc}",
+            field="kv_connector_config",
+        ) from None
+    try:
+        return KVTransfer(connector, kv_cache, model_identity=identity, role=config.kv_role, **engine_options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"kv_connector_config: {exc}", field="kv_connector_config") from None
+
+
+def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device: Any) -> tuple[torch.Tensor, int]:
+    dtype = loader.torch_dtype(config.dtype)
+    per_block = model.kv_cache_shape(1, config.block_size)
+    bytes_per_block = math.prod(per_block) * torch.empty((), dtype=dtype).element_size()
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = config.kv_cache_bytes() // bytes_per_block
+    capacity = num_blocks * config.block_size
+    if capacity < context_len:
+        raise ConfigError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+            f"max_model_len={context_len}: raise kv_cache_memory/num_kv_blocks or lower max_model_len",
+            field="kv_cache_memory",
+        )
+    cache = torch.zeros(model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=device)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, cache.nbytes / 2**20)
+    return cache, num_blocks

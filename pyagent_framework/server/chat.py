@@ -1,0 +1,224 @@
+"""The chat-completions endpoint, whole or streamed: tool choice, the tool-call and
+reasoning parsers over each choice, and the response or its chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pyagent_framework.engine.faults import call_plugin
+from pyagent_framework.engine.outputs import CompletionOutput, RequestOutput
+from pyagent_framework.server import protocol as api
+from pyagent_framework.server import tool_choice
+from pyagent_framework.server.choice_state import ChoiceState
+from pyagent_framework.server.errors import APIError
+from pyagent_framework.server.streaming import Events, check_output, collect, error_event, merge, sse, streamed_usage, usage
+
+
+class ChatMixin:
+    """:class:`~pyagent_framework.server.serving.OpenAIServing`'s ``chat``; uses its
+    model check, rendering, sampling and logprob helpers, ``_start`` and metrics."""
+
+    def _tool_mode(self, req: api.ChatCompletionRequest) -> tuple[str | None, dict[str, Any] | None]:
+        """How the output is read for tool calls: (None | "auto" | "required" |
+        "named", the JSON schema that constrains the output for the last two),
+        refusing what cannot be served."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice")
+            return None, None
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tool function names must be unique, got {names}", param="tools")
+        if choice == "none":
+            return None, None
+        if choice in (None, "auto"):
+            if not (self.config.enable_auto_tool_choice and self.tool_parser_cls is not None):
+                raise APIError(
+                    400,
+                    '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                    param="tool_choice",
+                )
+            return "auto", None
+        if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format or structured_outputs", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            if choice == "required":
+                return "required", tool_choice.required_schema(tools, parallel=req.parallel_tool_calls is not False)
+            return "named", tool_choice.named_schema(tools, choice.function.name)
+        except tool_choice.ToolChoiceError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if choice != "required" else "tools") from None
+
+    def _tool_reader(self, mode: str | None, req: api.ChatCompletionRequest):
+        """A fresh reader of one choice's output for tool calls (None: plain text)."""
+        if mode == "auto":
+            return call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
+        if mode == "required":
+            return tool_choice.RequiredToolCalls()
+        if mode == "named":
+            return tool_choice.NamedToolCall(req.tool_choice.function.name)
+        return None
+
+    def _reasoning_reader(self, prompt_ids: list[int], request_dict: dict[str, Any]):
+        if self.reasoning_parser_cls is None:
+            return None
+        name = self.config.reasoning_parser
+        parser = call_plugin("reasoning_parser", name, "__init__", self.reasoning_parser_cls, self.tokenizer)
+        call_plugin("reasoning_parser", name, "prepare", parser.prepare, prompt_ids, request_dict)
+        return parser
+
+    async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        mode, schema = self._tool_mode(req)
+        if mode == "auto":
+            req = self._adjusted(req)
+        prompt_ids = await self.render(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(
+            req, max_tokens=max_tokens, prompt_len=len(prompt_ids), logprobs=logprobs, prompt_param="messages"
+        )
+        request_dict = req.model_dump(exclude_none=True)
+        if schema is not None:
+            params = dataclasses.replace(params, structured_outputs={"json": schema})
+        reasoning = self.reasoning_parser_cls is not None
+        gated = False
+        if params.structured_outputs is not None and reasoning:
+            # The grammar constrains the answer only, from the end of the reasoning on (the
+            # engine core asks its own instance of the parser where that is); if that is
+            # the first token (the prompt opened no reasoning), all is answer.
+            reasoning = gated = not self._reasoning_reader(prompt_ids, request_dict).is_reasoning_end(())
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = [
+            ChoiceState(
+                tool_parser=self._tool_reader(mode, req),
+                reasoning_parser=self._reasoning_reader(prompt_ids, request_dict) if reasoning else None,
+                tool_name=self.config.tool_call_parser if mode == "auto" else f"tool_choice={mode}",
+                reasoning_name=self.config.reasoning_parser or "",
+            )
+            for _ in range(req.n)
+        ]
+        stream = await self._start(
+            prompt_ids, params, req.cache_salt, reasoning_request=request_dict if gated else None, param="tools" if schema else None
+        )
+        tracker = self.metrics.track(len(prompt_ids), delta=bool(req.stream))
+        if req.stream:
+            return Events(self._chat_stream(req, request_id, stream, choices, request_dict, tracker), [stream], [tracker])
+        final = await collect(stream, tracker)
+        return self._chat_response(req, request_id, final, choices, request_dict)
+
+    def _adjusted(self, req: api.ChatCompletionRequest) -> api.ChatCompletionRequest:
+        """The request as the tool parser wants it (e.g. special tokens kept)."""
+        before = req.model_dump()
+        parser = call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
+        after = call_plugin("tool_parser", self.config.tool_call_parser, "adjust_request", parser.adjust_request, dict(before))
+        updates = {k: v for k, v in after.items() if k in type(req).model_fields and v != before.get(k)}
+        return req.model_copy(update=updates) if updates else req
+
+    def _chat_response(self, req, request_id: str, final: RequestOutput, choices, request_dict) -> api.ChatCompletionResponse:
+        out_choices = []
+        for output, state in zip(final.outputs, choices):
+            content: str | None = output.text
+            reasoning = None
+            if state.reasoning_parser is not None:
+                split = state.call("reasoning_parser", "extract", state.reasoning_parser.extract, output.text, request_dict)
+                reasoning, content = split.reasoning_content, split.content
+            tool_calls = []
+            finish_reason = output.finish_reason
+            if state.tool_parser is not None:
+                extracted = state.call("tool_parser", "extract", state.tool_parser.extract, content or "", request_dict)
+                content = extracted.content
+                tool_calls = [
+                    api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
+                    for c in extracted.tool_calls
+                ]
+                if tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            out_choices.append(
+                api.ChatChoice(
+                    index=output.index,
+                    message=api.ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
+                    logprobs=self._chat_logprobs(output, 0, req.top_logprobs or 0) if req.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        return api.ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=out_choices, usage=usage(final), prompt_logprobs=self._prompt_logprobs(req, final)
+        )
+
+    async def _chat_stream(self, req, request_id, stream, choices, request_dict, tracker) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+
+        def chunk(stream_choices, usage_info=None) -> str:
+            body = api.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=stream_choices, usage=usage_info)
+            return sse(body.model_dump_json())
+
+        for index in range(req.n):
+            yield chunk([api.ChatStreamChoice(index=index, delta=api.DeltaOut(role="assistant", content=""))])
+        final = None
+        try:
+            async for _, out in merge([stream], [tracker]):
+                final = out
+                check_output(out)
+                pieces = []
+                for output, state in zip(out.outputs, choices):
+                    piece = self._chat_delta(req, output, state, request_dict)
+                    if piece is not None:
+                        pieces.append(piece)
+                if pieces:
+                    yield chunk(pieces, streamed_usage([tracker]) if continuous else None)
+        except Exception as exc:  # the request failed: an error event, then the end of the stream
+            yield error_event(exc)
+            yield sse("[DONE]")
+            return
+        if include_usage and final is not None:
+            yield chunk([], streamed_usage([tracker]))
+        yield sse("[DONE]")
+
+    def _chat_delta(self, req, output: CompletionOutput, state: "ChoiceState", request_dict) -> api.ChatStreamChoice | None:
+        """What one choice adds in this update, or None."""
+        if state.done:
+            return None
+        # A delta output: the text, token ids and logprobs new since the last one.
+        message = state.parse(output.text, output.token_ids, request_dict, final=output.finish_reason is not None)
+        logprobs = None
+        if req.logprobs and output.logprobs:
+            logprobs = self._chat_logprobs(output, 0, req.top_logprobs or 0)
+        finish_reason = output.finish_reason
+        if finish_reason is not None:
+            state.done = True
+            if state.called_tools and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if message is None and logprobs is None and finish_reason is None:
+            return None
+        delta = api.DeltaOut()
+        if message is not None:
+            delta.content = message.content
+            delta.reasoning_content = message.reasoning_content
+            if message.tool_calls:
+                delta.tool_calls = [
+                    api.ToolCallDeltaOut(
+                        index=call.index,
+                        id=call.id,
+                        type="function" if call.id or call.name else None,
+                        function=api.FunctionCallDelta(name=call.name, arguments=call.arguments),
+                    )
+                    for call in message.tool_calls
+                ]
+        return api.ChatStreamChoice(
+            index=output.index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=output.stop_reason if finish_reason else None,
+        )
