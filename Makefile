@@ -38,7 +38,7 @@ demo: install
 
 # The engine and server tests run twice: with the engine core in the test's process
 # (every test), then in a process of its own, as users run it (tests that read the
-# core's state are marked core_state and run in the first pass only).
+# core's state are marked in_process and run in the first pass only).
 ENGINE_PROCESS_TESTS := tests/test_engine_requests.py tests/test_engine_parity.py tests/test_engine_faults.py \
 	tests/test_async_llm.py tests/test_structured_outputs.py tests/test_speculative.py tests/test_prefix_cache.py \
 	tests/test_smollm2.py tests/test_server_api.py tests/test_server_openai.py tests/test_tool_calls_smollm2.py \

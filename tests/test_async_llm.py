@@ -58,7 +58,7 @@ def test_bad_request_fails_at_once_and_the_engine_keeps_serving(engine):
     assert engine.is_alive
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):
     baseline = engine.engine.core.pool.num_free_blocks
 

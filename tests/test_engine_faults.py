@@ -58,7 +58,7 @@ def alone(llm):
     return [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alone):
     entry = registries.grammar_backends.register("raising-test", RaisingBackend, override=True)
     try:
@@ -74,7 +74,7 @@ def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alon
     assert llm.engine.stats()["num_request_errors"] >= 1
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone):
     entry = registries.proposers.register("picky-test", PickyProposer, override=True)
     try:
@@ -89,7 +89,7 @@ def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone)
     assert spec.engine.core.pool.num_free_blocks == spec.engine.core.pool.num_blocks
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
     updater = llm.engine.core.updater
     original = updater._advance
@@ -109,7 +109,7 @@ def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(l
     assert [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)] == alone
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     def broken(batch):
         raise RuntimeError("device lost")
@@ -122,7 +122,7 @@ def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     llm.engine.abort_request("doomed")
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(path):
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
     try:
@@ -158,6 +158,7 @@ class SlowBackend(XGrammarBackend):
         return super().compile(spec, tokenizer_info)
 
 
+@pytest.mark.in_process
 def test_a_caller_cancelled_while_its_grammar_compiles_leaves_the_shared_compile_alone(path):
     entry = registries.grammar_backends.register("slow-test", SlowBackend, override=True)
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
@@ -194,6 +195,7 @@ class SlowStore(MemoryConnector):
         return super().get(keys)
 
 
+@pytest.mark.in_process
 def test_a_caller_cancelled_while_its_kv_blocks_load_frees_them(path):
     store: dict = {}
     entry = registries.kv_connectors.register("slow-store-test", SlowStore, override=True)

@@ -71,7 +71,7 @@ def test_staggered_arrivals_match(arch, checkpoints, references):
     check([finals[f"s{i}"] for i in range(len(prompts))], refs[arch])
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])
 def test_forced_preemption_matches(arch, checkpoints, references):
     prompts, refs = references
@@ -90,7 +90,7 @@ def test_chunked_prefill_matches(arch, checkpoints, references):
     check(llm.generate(prompts, GREEDY), refs[arch])
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_kv_blocks_never_exceed_need_by_more_than_one_per_sequence(checkpoints, references):
     prompts, _ = references
     llm = LLM(checkpoints["llama"], block_size=4, kv_cache_memory="64MiB")

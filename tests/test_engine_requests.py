@@ -176,7 +176,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, path):
         assert entry.logprob == pytest.approx(float(reference[position - 1, ids[position]]), abs=1e-4)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_abort_frees_blocks_and_reports_abort(llm):
     engine = llm.engine
     free = engine.core.pool.num_free_blocks
@@ -232,7 +232,7 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_them(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_leaving_a_stream_early_aborts_its_requests(llm):
     free = llm.engine.core.pool.num_free_blocks
     stream = llm.stream([PROMPT, "def add"], SamplingParams(max_tokens=50, ignore_eos=True))

@@ -24,7 +24,7 @@ from pyagent_framework.engine.kv_transfer import (
 from pyagent_framework.testing.kv import KVConnectorContract, MemoryConnector
 from tests.tiny_models import tiny_checkpoint
 
-pytestmark = pytest.mark.core_state  # reads the engine core's state: runs with the core in this process
+pytestmark = pytest.mark.in_process  # reads the engine core's state
 
 LAYOUT = BlockLayout(2, 4, 2, 8, torch.float32, b"m" * 32)
 MODEL_FIELD = slice(28, 60)  # the model identity's bytes in the header

@@ -244,7 +244,7 @@ def test_greedy_identical_with_caching_on_and_off(llama, shared_prompts, engine_
         assert stats["prefix_cache_evictions"] > 0 and stats["num_preemptions"] > 0
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_engine_salts_isolate_tenants(llama, shared_prompts):
     llm = LLM(llama, kv_cache_memory="64MiB")
     prompt = shared_prompts[0]

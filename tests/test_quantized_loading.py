@@ -41,7 +41,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", True)])
 def test_linears_are_swapped_and_a_tied_head_stays_tied(root, arch, tied):
     path = tiny_checkpoint(arch, root)

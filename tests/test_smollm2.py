@@ -45,7 +45,7 @@ def reference(prompts):
     return [hf_greedy(model, p, MAX_NEW, eos_token_id=eos) for p in prompts]
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_default_model_is_the_embedded_smollm2(llm):
     assert llm.engine.core.model_path.endswith(".gguf")
     assert llm.engine.core.model_config["architectures"] == ["LlamaForCausalLM"]
@@ -65,7 +65,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
     _check(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_greedy_matches_transformers_from_cached_prefixes(llm, prompts, reference):
     """The chat template's system prompt is a prefix of every prompt: after one request
     has filed it, the others start from its cached blocks and decode the same tokens."""

@@ -13,6 +13,7 @@ from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine.errors import ConfigError
 from pyagent_framework.interfaces import Proposer
 from pyagent_framework.types import Draft
+from conftest import in_process_only
 from tests.tiny_models import tiny_checkpoint
 
 MAX_NEW = 12
@@ -57,6 +58,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def proposers():
+    in_process_only()  # registered in this process: a core process would not see them
     registries.proposers.register("oracle-test", OracleProposer, override=True)
     registries.proposers.register("random-test", RandomProposer, override=True)
     yield
@@ -87,7 +89,7 @@ def plain(path):
     return prompts, _greedy(_engine(path), prompts)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 @pytest.mark.parametrize("wrong_every", [0, 3, 1])
 def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wrong_every):
     """All-correct, partly wrong and all-wrong drafts, batched, with chunked prefill
@@ -110,7 +112,7 @@ def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wron
     assert llm.engine.core.pool.num_used_blocks == 0  # every block back (cached or free)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_random_drafts_leave_outputs_and_blocks_alone(path, plain):
     prompts, expected = plain
     llm = _engine(path, speculative_method="random-test", num_speculative_tokens=6)

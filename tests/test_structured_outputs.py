@@ -21,6 +21,7 @@ from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.structured import StructuredOutputManager, apply_token_bitmask, bitmask_words
 from pyagent_framework.interfaces import GrammarBackend, ReasoningParser
 from pyagent_framework.types import ReasoningSplit
+from conftest import in_process_only
 from tests.tiny_models import tiny_checkpoint
 
 PROMPT = "The quick brown fox"
@@ -163,7 +164,7 @@ def test_constrained_rows_leave_the_rest_of_the_batch_alone(llm):
     assert re.fullmatch("[0-9]{12}", together[0].outputs[0].text)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_preempted_constrained_sequences_stay_valid(path):
     # A KV cache this small forces preemption (recompute); matchers keep their state.
     small = LLM(path, num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8)
@@ -193,6 +194,7 @@ class RaisingReasoning(AfterFive):
 
 @pytest.fixture
 def reasoning_parsers():
+    in_process_only()  # registered in this process: a core process would not see them
     names = {"after-five-test": AfterFive, "raising-reasoning-test": RaisingReasoning}
     for name, cls in names.items():
         registries.reasoning_parsers.register(name, cls)
@@ -294,6 +296,7 @@ class Refuses(FakeBackend):
 
 @pytest.fixture
 def fakes():
+    in_process_only()  # registered in this process: a core process would not see them
     names = {"fake-refuses": Refuses, "fake-ok": FakeBackend}
     for name, cls in names.items():
         registries.grammar_backends.register(name, cls)
@@ -428,7 +431,7 @@ def test_a_compiling_request_does_not_hold_back_others(path, gate):
     assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
 
 
-@pytest.mark.core_state
+@pytest.mark.in_process
 def test_a_request_aborted_while_compiling_is_dropped(path, gate):
     engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
     engine.add_request_nowait("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))

@@ -29,7 +29,7 @@ from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine import structured
 from pyagent_framework.engine.errors import InvalidRequestError
 
-pytestmark = pytest.mark.core_state  # reads the engine core's state: runs with the core in this process
+pytestmark = pytest.mark.in_process  # reads the engine core's state
 
 MAX_TOKENS = 256
 TEMPERATURE = 0.8

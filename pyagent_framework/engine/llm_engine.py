@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence as Seq
 from typing import Any
 
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, InprocClient
+from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.input_processor import InputProcessor
 from pyagent_framework.engine.output_processor import OutputProcessor
@@ -49,6 +51,7 @@ class LLMEngine:
             self.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len, chat_template=self.chat_template
         )
         self.output_processor = OutputProcessor(self.tokenizer, tokenizer_name)
+        self._failed: deque[RequestOutput] = deque()  # requests the core refused after their add
 
     @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -80,7 +83,18 @@ class LLMEngine:
         except BaseException:
             self.abort_request(request_id)
             raise
+        for future in futures:  # a grammar that fails to compile ends the request (the core dropped it)
+            future.add_done_callback(lambda done, rid=request_id: self._refused(rid, done))
         return request_id, futures
+
+    def _refused(self, request_id: str, done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        if error is not None:
+            kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
+            output, child_ids = self.output_processor.fail(request_id, str(error), kind, time.time())
+            if output is not None:
+                self.client.abort_requests(child_ids)
+                self._failed.append(output)
 
     def wait_added(self, pending: list[tuple[str, list[concurrent.futures.Future]]]) -> None:
         """Wait until the core has every one of these requests; if one cannot be served
@@ -112,12 +126,21 @@ class LLMEngine:
     def step(self, timeout: float | None = None) -> list[RequestOutput]:
         """The outputs of the core's next step. In process mode, waits up to ``timeout``
         seconds for it (forever by default) and raises EngineDeadError if the core died."""
+        failed = self._take_failed()
+        if failed or not self.has_unfinished_requests():
+            return failed
         core_outputs = self.client.get_outputs(timeout)
         if core_outputs is None:
-            return []
+            return self._take_failed()
         outputs, aborts = self.output_processor.process(core_outputs)
         self.client.abort_requests(aborts)
-        return outputs
+        return self._take_failed() + outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        failed = []
+        while self._failed:
+            failed.append(self._failed.popleft())
+        return failed
 
     # ------------------------------------------------------------------ stats
 

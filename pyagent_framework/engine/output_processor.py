@@ -121,6 +121,18 @@ class OutputProcessor:
                 sample.finish_reason, sample.finish_time = "abort", now
         return self._output(state), state.child_ids()
 
+    def fail(self, request_id: str, message: str, kind: str, now: float) -> tuple[RequestOutput | None, list[str]]:
+        """Fail a request from the front end (the core refused it); returns its final
+        output and the core ids to abort, or (None, []) if it is gone already."""
+        with self.lock:
+            state = self.requests.get(request_id)
+            if state is None:
+                return None, []
+            aborts: list[str] = []
+            self._fail(state, message, kind, now, aborts)
+        self.remove(request_id)
+        return self._output(state), aborts
+
     # ------------------------------------------------------------------ processing
 
     def process(self, outputs: CoreOutputs) -> tuple[list[RequestOutput], list[str]]:

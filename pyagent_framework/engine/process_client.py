@@ -288,7 +288,8 @@ def core_environment() -> dict[str, str]:
     return env
 
 
-def _close_all() -> None:
+def close_all() -> None:
+    """Close every core process this process started (also done at exit)."""
     for client in list(_live_clients):
         try:
             client.close()
@@ -296,4 +297,4 @@ def _close_all() -> None:
             pass
 
 
-atexit.register(_close_all)
+atexit.register(close_all)
