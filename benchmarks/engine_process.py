@@ -4,15 +4,15 @@
     .venv/bin/python benchmarks/engine_process.py --rounds 5 --json
 
 (1) Offline: ``LLM.generate`` over ``--prompts`` distinct prompts x ``--max-tokens``
-    tokens (greedy, ``ignore_eos``), timed three ways, interleaved round by round so
-    that noise on the machine falls on all of them alike:
+    tokens (greedy, ``ignore_eos``), timed three ways, one engine alive at a time (the
+    core process is timed first and last, so that drift on the machine shows):
     - ``process, main thread``: the default (the core in its own process), called from
       the script's main thread, with no environment variable set;
     - ``in-process, worker thread``: the core in this process, called from a fresh
       thread (where it ran fastest before the split);
     - ``in-process, main thread``: the core in this process, called from the main thread.
     Each figure is the median of its rounds' tok/s (best also shown); the goal is
-    process / in-process-worker >= 0.95 (against the best in-process round).
+    process (median) / in-process worker thread (best round) >= 0.95.
 (2) Time to first token through the server: ``pyagent serve`` with the core in its own
     process, then with ``--no-engine-process``; ``--ttft-requests`` sequential
     streaming requests of a short prompt (one token each); the median difference is
@@ -43,29 +43,33 @@ def prompts_for(round_index: int, count: int, where: str) -> list[str]:
 
 
 def offline(args) -> dict:
+    """Phases one after another, one engine alive at a time (an idle engine's threads
+    would otherwise share the cores with the one being timed): the core process, the
+    in-process core from a worker thread and from the main thread, then the core
+    process again, so that drift on the machine shows."""
     from pyagent_framework import LLM, SamplingParams
 
     options = {"max_num_seqs": max(args.prompts, 64)}
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_tokens)
-    sides = {
-        "process, main thread": (LLM(args.model, engine_process=True, **options), lambda fn: fn()),
-        "in-process, worker thread": (LLM(args.model, engine_process=False, **options), in_worker_thread),
-    }
-    sides["in-process, main thread"] = (sides["in-process, worker thread"][0], lambda fn: fn())
-    for name, (llm, call) in sides.items():  # warm-up, once per side
-        call(lambda: llm.generate(prompts_for(-1, args.prompts, name), params.replace(max_tokens=4)))
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    for r in range(args.rounds):
-        for name, (llm, call) in sides.items():
-            prompts = prompts_for(r, args.prompts, name)
+    plan = [
+        ("process, main thread", True, lambda fn: fn()),
+        ("in-process, worker thread", False, in_worker_thread),
+        ("in-process, main thread", False, lambda fn: fn()),
+        ("process, main thread", True, lambda fn: fn()),
+    ]
+    rates: dict[str, list[float]] = {}
+    for phase, (name, engine_process, call) in enumerate(plan):
+        llm = LLM(args.model, engine_process=engine_process, **options)
+        call(lambda: llm.generate(prompts_for(-1, args.prompts, name), params.replace(max_tokens=4)))  # warm-up
+        for r in range(args.rounds):
+            prompts = prompts_for(phase * args.rounds + r, args.prompts, name)
 
             def timed():
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params)
                 return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
-            rates[name].append(call(timed))
-    for llm, _ in list(sides.values())[:2]:
+            rates.setdefault(name, []).append(call(timed))
         llm.close()
     result = {name: {"median": statistics.median(v), "best": max(v), "rounds": v} for name, v in rates.items()}
     reference = result["in-process, worker thread"]["best"]

@@ -13,15 +13,13 @@ same workload run offline through ``LLM.generate``, in one run.
     the time of every text chunk (inter-token latency: gaps between consecutive chunks)
     and the end. Output tokens per second = all completion tokens / the wall time from
     the first request sent to the last one finished.
-(3) Stops the server (SIGTERM), loads the same model with the same engine options in
-    this process and times ``LLM.generate`` over the same prompts, all at once, called
-    from the main thread and from a fresh worker thread (``--offline-thread``). On a
-    2-core box the two differ by up to 2x: after each torch op, OpenMP's worker keeps
-    spinning on a core for milliseconds, which the native kernels' own threads then
-    fight for; libgomp only shortens that spin once the process has more OpenMP
-    threads than cores, which a second calling thread's team brings about. The server's
-    engine loop runs in a worker thread. The overhead is taken against the faster of
-    the two, so it is never flattered by a slow offline baseline.
+(3) Stops the server (SIGTERM), loads the same model with the same engine options
+    through ``LLM`` (its engine core in a process of its own, as the server's) and
+    times ``LLM.generate`` over the same prompts, all at once, called from the main
+    thread and from a fresh worker thread (``--offline-thread``; with the core in its
+    own process the calling thread no longer matters, see
+    ``benchmarks/engine_process.py``). The overhead is taken against the faster of the
+    two, so it is never flattered by a slow offline baseline.
 
 Prints TTFT and inter-token latency p50/p99, both throughputs, the ratio server /
 offline and the overhead 1 - server/offline against the 15% goal. Each side runs the
@@ -224,6 +222,7 @@ def run_offline(model: str, rounds: list[list[str]], max_tokens: int, engine_arg
             "tok_per_s": max(tok_s), "tok_per_s_rounds": tok_s, "output_tokens": total_tokens,
             "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         }
+    llm.close()  # its core process is reaped before the machine's load is read
     best = max(results, key=lambda k: results[k]["tok_per_s"])
     return {"threads": results, "best": best, "tok_per_s": results[best]["tok_per_s"], "load_s": load_s,
             "torch_threads": torch.get_num_threads()}

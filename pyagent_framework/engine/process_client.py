@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
-import os
 import queue
 import shutil
 import struct
@@ -94,7 +93,6 @@ class ProcessClient:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pyagent_framework.engine.core_process", f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"],
             stdin=subprocess.PIPE,
-            env=core_environment(),
         )
         try:
             startup = msgspec.msgpack.encode(CoreStartup(attrs.asdict(config), step_timeout))
@@ -278,14 +276,6 @@ class ProcessClient:
             sock.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def core_environment() -> dict[str, str]:
-    """The core process's environment: the caller's, with OpenMP workers that sleep
-    rather than spin when idle (they would spin against the native kernels' threads)."""
-    env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
 
 
 def close_all() -> None:
