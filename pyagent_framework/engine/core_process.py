@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pyagent_framework.engine.faults import as_core_error
+from pyagent_framework.engine.faults import ModelForwardError, as_core_error
 from pyagent_framework.messages import (
     AbortRequests,
     AddRequest,
@@ -55,7 +55,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL when the parent dies (then check it did not die already)."""
+    """Linux: SIGKILL when the parent dies. A parent that died before this ran is
+    caught by the watch on standard input."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -107,10 +108,7 @@ class CoreServer:
             self.outbox.send(data, copy=False)
 
     def run(self) -> None:
-        from pyagent_framework.engine.faults import ModelForwardError
-
         self.loop_thread = threading.get_ident()
-
         if self.step_timeout is not None:
             threading.Thread(target=self._watch, name="pyagent-watchdog", daemon=True).start()
         while not self.stopping:

@@ -19,7 +19,6 @@ import torch
 
 from pyagent_framework import registries
 from pyagent_framework.engine import loader
-from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.faults import GuardedMatcher, PluginCallError, call_plugin
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.engine.structured import StructuredOutputManager
@@ -108,9 +107,6 @@ class GrammarGate:
 
     # ------------------------------------------------------------------ per step
 
-    def has_grammar(self, seq: Sequence) -> bool:
-        return seq.seq_id in self.states
-
     def matcher(self, seq: Sequence) -> GuardedMatcher | None:
         """The matcher that constrains the sequence's next token, if one does now."""
         state = self.states.get(seq.seq_id)
@@ -168,11 +164,6 @@ class GrammarGate:
         self.states.pop(seq.seq_id, None)
         if self.compiling:  # aborted while its grammar compiles
             self.compiling = [entry for entry in self.compiling if entry[0] is not seq]
-
-    def error_for(self, error: BaseException) -> tuple[str, str]:
-        """(message, kind) of a grammar that cannot start."""
-        kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
-        return str(error), kind
 
     def stats(self) -> dict[str, Any]:
         return {"num_compiling": len(self.compiling), **self.structured.stats()}
