@@ -21,7 +21,9 @@ def near_boundary(row: list[float], k: int, p: float, min_p: float) -> bool:
     """A prefix mass (top-p) or probability ratio (min-p) within rounding of its
     threshold: which side it lands on is decided by float rounding, not by the rule."""
     n = len(row)
-    kept = sorted(row, reverse=True)[: k if 0 < k < n else n]
+    kept = sorted(row, reverse=True)
+    if 0 < k < n:  # every value tied with the k-th is kept too
+        kept = [x for x in kept if x >= kept[k - 1]]
     z = sum(math.exp(x) for x in kept)
     probs = sorted((math.exp(x) / z for x in kept), reverse=True)
     mass = [sum(probs[:i]) for i in range(1, len(probs))]
