@@ -6,7 +6,7 @@ in the caller's process or in its own. Across a process they travel as msgpack o
 ZMQ through :class:`Codec`, which decodes into these types and nothing else: no message
 is ever pickled, and an object that is not one of them is refused, not serialised.
 
-- to the core: :class:`AddRequest`, :class:`AbortRequests`, :class:`UtilityCall`,
+- to the core: :class:`AddRequests` (of :class:`AddRequest`), :class:`AbortRequests`, :class:`UtilityCall`,
   :class:`Shutdown`;
 - from the core: :class:`CoreReady` once it is built, then :class:`CoreOutputs` (each
   step's new tokens: deltas, never the whole output again), :class:`GrammarReady` (a
@@ -124,6 +124,13 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     grammar: GrammarRequest | None = None
 
 
+class AddRequests(msgspec.Struct, frozen=True, tag=True):
+    """The samples of one request, sent together so that the core schedules them in
+    the same step (the same batch shape, whatever the timing of the messages)."""
+
+    requests: list[AddRequest]
+
+
 class AbortRequests(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
 
@@ -218,11 +225,11 @@ class CoreStartup(msgspec.Struct, frozen=True):
     step_timeout: float | None = None
 
 
-ToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+ToCore = Union[AddRequest, AddRequests, AbortRequests, UtilityCall, Shutdown]
 FromCore = Union[CoreReady, CoreOutputs, GrammarReady, UtilityResult, CoreFailed]
 
 MESSAGE_TYPES = (
-    AddRequest, AbortRequests, UtilityCall, Shutdown, CoreReady, CoreOutputs, GrammarReady, UtilityResult, CoreFailed,
+    AddRequest, AddRequests, AbortRequests, UtilityCall, Shutdown, CoreReady, CoreOutputs, GrammarReady, UtilityResult, CoreFailed,
 )
 
 

@@ -195,7 +195,7 @@ def test_a_thousand_requests_cross_the_boundary_and_nothing_is_pickled(path, tmp
     finally:
         llm.close()
     assert llm.engine.client.process.returncode == 0
-    assert encoded.count("AddRequest") == 1000
+    assert encoded.count("AddRequests") == 1000
 
 
 # ---------------------------------------------------------------------- lifecycle

@@ -159,7 +159,7 @@ class AsyncLLM:
         with self._streams_lock:
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            acks = [self.client.add_request(add) for add in adds]
+            acks = self.client.add_requests(adds)
             for ack in acks:  # a grammar compiling; cancelling this wait leaves the compile alone
                 await _wait(ack)
         except BaseException:

@@ -53,18 +53,21 @@ class InprocClient:
         self._wake = threading.Event()
         self._last_stats: dict[str, Any] = {}
 
-    def add_request(self, request: AddRequest) -> concurrent.futures.Future:
-        ack: concurrent.futures.Future = concurrent.futures.Future()
+    def add_requests(self, requests: list[AddRequest]) -> list[concurrent.futures.Future]:
+        """Add a request's samples together (the same step schedules them); one future
+        per sample, resolved once the core has it (a grammar: once compiled)."""
+        acks = [concurrent.futures.Future() for _ in requests]
         if self._lock.acquire(blocking=False):
             try:
                 self._apply_queued()
-                self._add(request, ack)
+                for request, ack in zip(requests, acks):
+                    self._add(request, ack)
             finally:
                 self._lock.release()
         else:  # a step runs: applied before the next one
-            self._adds.append((request, ack))
+            self._adds.extend(zip(requests, acks))
         self._wake.set()
-        return ack
+        return acks
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if not request_ids:

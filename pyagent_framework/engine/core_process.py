@@ -30,6 +30,7 @@ from pyagent_framework.engine.faults import ModelForwardError, as_core_error
 from pyagent_framework.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     Codec,
     CoreError,
     CoreFailed,
@@ -137,7 +138,10 @@ class CoreServer:
             except zmq.Again:
                 return
             message = self.to_core.decode(data.buffer)
-            if isinstance(message, AddRequest):
+            if isinstance(message, AddRequests):
+                for request in message.requests:
+                    self._add(request)
+            elif isinstance(message, AddRequest):
                 self._add(message)
             elif isinstance(message, AbortRequests):
                 self.core.abort_requests(message.request_ids)

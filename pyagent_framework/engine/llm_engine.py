@@ -76,10 +76,8 @@ class LLMEngine:
         (a grammar compiles meanwhile)."""
         state, adds = self.input_processor.process(request_id, prompt, params, self.output_processor, **options)
         self.output_processor.add(state)
-        futures = []
         try:
-            for add in adds:
-                futures.append(self.client.add_request(add))
+            futures = self.client.add_requests(adds)
         except BaseException:
             self.abort_request(request_id)
             raise

@@ -29,6 +29,7 @@ from pyagent_framework.errors import EngineDeadError
 from pyagent_framework.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     Codec,
     CoreFailed,
     CoreInfo,
@@ -111,20 +112,25 @@ class ProcessClient:
 
     # ------------------------------------------------------------------ calls
 
-    def add_request(self, request: AddRequest) -> concurrent.futures.Future:
-        ack: concurrent.futures.Future = concurrent.futures.Future()
-        if request.grammar is not None:
-            self._grammar_acks[request.request_id] = ack
-        else:
-            ack.set_result(None)
+    def add_requests(self, requests: list[AddRequest]) -> list[concurrent.futures.Future]:
+        """Send a request's samples in one message; one future per sample."""
+        acks = []
+        for request in requests:
+            ack: concurrent.futures.Future = concurrent.futures.Future()
+            if request.grammar is not None:
+                self._grammar_acks[request.request_id] = ack
+            else:
+                ack.set_result(None)
+            acks.append(ack)
         try:
-            self._send(request)
+            self._send(AddRequests(list(requests)))
         except Exception as exc:
-            self._grammar_acks.pop(request.request_id, None)
-            if not ack.done():
-                ack.set_exception(exc)
+            for request, ack in zip(requests, acks):
+                self._grammar_acks.pop(request.request_id, None)
+                if not ack.done():
+                    ack.set_exception(exc)
             raise
-        return ack
+        return acks
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.error is None:
