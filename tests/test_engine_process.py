@@ -12,7 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import httpx2 as httpx
 import pytest
 
 from pyagent_framework import LLM, SamplingParams
@@ -253,19 +252,18 @@ def test_killing_the_core_mid_stream_fails_the_stream_and_the_server_exits_non_z
     flags = ("--model", path, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--engine-process")
     with server_process(*flags) as server:
         [core_pid] = children(server.process.pid)
-        body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        seen = []
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        seen.append(line[6:])
-                        if len(seen) == 3:
-                            os.kill(core_pid, signal.SIGKILL)
-                            killed = time.time()
+        killed = []
+
+        def kill_the_core(event: int) -> None:
+            if event == 3:
+                os.kill(core_pid, signal.SIGKILL)
+                killed.append(time.time())
+
+        body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
+        seen = server.stream("/v1/completions", body, kill_the_core)
         assert seen[-1] == "[DONE]" and json.loads(seen[-2])["error"]["code"] == "engine_dead", seen[-3:]
         assert server.process.wait(timeout=10) == 3
-        assert time.time() - killed < 6
+        assert time.time() - killed[0] < 6
         assert not alive(core_pid) and not children(server.process.pid)
 
 

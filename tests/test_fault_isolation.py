@@ -71,11 +71,8 @@ def still_serves(server) -> None:
 
 
 def events(server, path: str, body: dict) -> list[str]:
-    """The ``data:`` payloads of a streamed response."""
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        with client.stream("POST", path, json={**body, "stream": True}) as response:
-            assert response.status_code == 200
-            return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    """The ``data:`` payloads of a streamed response (a status other than 200 raises)."""
+    return server.stream(path, body)
 
 
 def rss_kib(server) -> int:
@@ -416,16 +413,16 @@ def test_a_dead_engine_fails_open_requests_answers_503_and_exits(how, plugin_pat
     flags = ("--model", path, "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--attention-backend", "faulty", "--step-timeout", "2")
     env = {"PYTHONPATH": plugin_path, "FAULTY_TRIGGER": str(trigger), "FAULTY_FORWARD": how}
     with server_process(*flags, env=env) as server:
-        body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        seen = []
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        seen.append(line[6:])
-                        if len(seen) == 3:
-                            trigger.touch()  # the forward fails (or hangs) from now on
-                            killed = time.time()
+        failed = []
+
+        def fail_the_forward(event: int) -> None:
+            if event == 3:
+                trigger.touch()  # the forward fails (or hangs) from now on
+                failed.append(time.time())
+
+        body = {"prompt": "The quick brown fox", "max_tokens": 200, "ignore_eos": True}
+        seen = server.stream("/v1/completions", body, fail_the_forward)
+        killed = failed[0]
         assert seen[-1] == "[DONE]" and json.loads(seen[-2])["error"]["code"] == "engine_dead", seen[-3:]
         # Non-zero exit within 5 s (3 s of watchdog for a hang); /health is 503 until then.
         statuses = []

@@ -57,29 +57,26 @@ class InprocClient:
         """Add a request's samples together (the same step schedules them); one future
         per sample, resolved once the core has it (a grammar: once compiled)."""
         acks = [concurrent.futures.Future() for _ in requests]
-        if self._lock.acquire(blocking=False):
-            try:
-                self._apply_queued()
-                for request, ack in zip(requests, acks):
-                    self._add(request, ack)
-            finally:
-                self._lock.release()
-        else:  # a step runs: applied before the next one
-            self._adds.extend(zip(requests, acks))
-        self._wake.set()
+        pairs = list(zip(requests, acks))
+        self._now_or_before_next_step(lambda: [self._add(*pair) for pair in pairs], lambda: self._adds.extend(pairs))
         return acks
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if not request_ids:
-            return
+        if request_ids:
+            ids = list(request_ids)
+            self._now_or_before_next_step(lambda: self.core.abort_requests(ids), lambda: self._aborts.append(ids))
+
+    def _now_or_before_next_step(self, apply, queue) -> None:
+        """``apply()`` now if no step runs, else ``queue()`` it for the stepping thread
+        (which applies queued adds, then aborts, before its next step)."""
         if self._lock.acquire(blocking=False):
             try:
                 self._apply_queued()
-                self.core.abort_requests(request_ids)
+                apply()
             finally:
                 self._lock.release()
         else:
-            self._aborts.append(list(request_ids))
+            queue()
         self._wake.set()
 
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:

@@ -8,6 +8,7 @@ own) and the :class:`OutputProcessor` (detokenization, stop strings, outputs).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence as Seq
@@ -52,6 +53,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, tokenizer_name)
         self._failed: deque[RequestOutput] = deque()  # requests the core refused after their add
+        self._failed_lock = threading.Lock()
 
     @classmethod
     def from_args(cls, config_file: str | None = None, **engine_args: Any) -> "LLMEngine":
@@ -89,10 +91,11 @@ class LLMEngine:
         error = done.exception()
         if error is not None:
             kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
-            output, child_ids = self.output_processor.fail(request_id, str(error), kind, time.time())
-            if output is not None:
-                self.client.abort_requests(child_ids)
-                self._failed.append(output)
+            with self._failed_lock:  # against wait_added, which tells the caller instead
+                output, child_ids = self.output_processor.fail(request_id, str(error), kind, time.time())
+                if output is not None:
+                    self._failed.append(output)
+            self.client.abort_requests(child_ids)
 
     def wait_added(self, pending: list[tuple[str, list[concurrent.futures.Future]]]) -> None:
         """Wait until the core has every one of these requests; if one cannot be served
@@ -105,8 +108,13 @@ class LLMEngine:
                 except Exception as exc:
                     error = error or exc
         if error is not None:
-            for request_id, _ in pending:
-                self.abort_request(request_id)
+            ids = {request_id for request_id, _ in pending}
+            with self._failed_lock:  # the caller gets the error, not a failed output too
+                for request_id in ids:
+                    self.abort_request(request_id)
+                kept = [out for out in self._failed if out.request_id not in ids]
+                self._failed.clear()
+                self._failed.extend(kept)
             raise error
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -54,6 +54,22 @@ class Server:
         status, text = self.request("POST", path, body, {"Content-Type": "application/json", **(headers or {})})
         return status, json.loads(text)
 
+    def stream(self, path: str, payload: dict, on_event=None, timeout: float = 120) -> list[str]:
+        """The ``data:`` payloads of a streamed POST, in order; ``on_event(n)`` runs as
+        the n-th arrives (1-based), while the stream is still open. A status other than
+        200 raises ``urllib.error.HTTPError``."""
+        body = json.dumps({**payload, "stream": True}).encode()
+        req = urllib.request.Request(self.url + path, data=body, method="POST", headers={"Content-Type": "application/json"})
+        events: list[str] = []
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if on_event is not None:
+                        on_event(len(events))
+        return events
+
     def metric(self, name: str) -> float:
         """One sample's value from /metrics (the first line naming it)."""
         _, text = self.get("/metrics")
