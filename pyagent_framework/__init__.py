@@ -15,13 +15,14 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "AsyncLLM", "LLM", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "LLM", "OutputParsers", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
 
 # Imported on first use: `import pyagent_framework` stays free of torch.
 _LAZY = {
     "registries": ("pyagent_framework.registries", None),
     "LLM": ("pyagent_framework.engine.llm", "LLM"),
     "AsyncLLM": ("pyagent_framework.engine.async_llm", "AsyncLLM"),
+    "OutputParsers": ("pyagent_framework.engine.output_parsers", "OutputParsers"),
     "SamplingParams": ("pyagent_framework.engine.params", "SamplingParams"),
     "StructuredOutputsParams": ("pyagent_framework.engine.params", "StructuredOutputsParams"),
 }

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
+from pyagent_framework import registries
 from pyagent_framework.engine.async_llm import AsyncLLM
 from pyagent_framework.engine.errors import ConfigError
 from pyagent_framework.interfaces import ReasoningParser, ToolParser
@@ -378,9 +379,19 @@ class FirstCharsReason(ReasoningParser):
         return False
 
 
-def test_tool_and_reasoning_parsers_shape_the_message(engine):
-    app = build_app(engine, ServerConfig(enable_auto_tool_choice=True, tool_call_parser="test"), model_name="tiny",
-                    tool_parser_cls=WholeTextTool, reasoning_parser_cls=FirstCharsReason)
+@pytest.fixture
+def test_parsers():
+    """The test parsers, registered by name (the front end builds them per choice)."""
+    registries.tool_parsers.register("whole-text-test", WholeTextTool, override=True)
+    registries.reasoning_parsers.register("first-chars-test", FirstCharsReason, override=True)
+    yield
+    registries.tool_parsers.unregister("whole-text-test")
+    registries.reasoning_parsers.unregister("first-chars-test")
+
+
+def test_tool_and_reasoning_parsers_shape_the_message(engine, test_parsers):
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="whole-text-test", reasoning_parser="first-chars-test")
+    app = build_app(engine, config, model_name="tiny")
     tools = [{"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}]
     body = {"messages": HI, "tools": tools, "max_tokens": 16, **GREEDY}
     with TestClient(app) as c:

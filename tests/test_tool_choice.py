@@ -8,13 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyagent_framework.server.tool_choice import (
-    NamedToolCall,
-    RequiredToolCalls,
-    ToolChoiceError,
-    named_schema,
-    required_schema,
-)
+from pyagent_framework.engine.tool_call_readers import NamedToolCall, RequiredToolCalls
+from pyagent_framework.server.tool_choice import ToolChoiceError, named_schema, required_schema
 from pyagent_framework.testing.parsers import chunkings, stream_tools, tool_result
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}

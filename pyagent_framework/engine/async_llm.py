@@ -28,6 +28,7 @@ from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.llm_engine import LLMEngine
+from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 
@@ -135,12 +136,11 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        reasoning_parser: str | None = None,
-        reasoning_request: dict[str, Any] | None = None,
+        parsers: OutputParsers | None = None,
     ) -> RequestStream:
         """Queue a request (raising InvalidRequestError for bad input, a grammar no
         backend compiles included) and return a :class:`RequestStream` of its outputs;
-        closing it early aborts it. ``cache_salt``, ``reasoning_parser``: see
+        closing it early aborts it. ``cache_salt``, ``parsers``: see
         :meth:`InputProcessor.process`."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -151,8 +151,7 @@ class AsyncLLM:
             params,
             engine.output_processor,
             cache_salt=cache_salt,
-            reasoning_parser=reasoning_parser,
-            reasoning_request=reasoning_request,
+            parsers=parsers,
         )
         queue: asyncio.Queue = asyncio.Queue()
         engine.output_processor.add(state)

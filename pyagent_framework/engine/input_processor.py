@@ -5,10 +5,12 @@ templates and the messages for the engine core.
 prompt and returns the request's front-end record with one
 :class:`~pyagent_framework.messages.AddRequest` per sample; a structured-output spec
 travels as a :class:`~pyagent_framework.messages.GrammarRequest` the core compiles.
+The request's output parsers are built here, once per sample, for the output processor.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence as Seq
 from typing import Any
@@ -16,12 +18,15 @@ from typing import Any
 import msgspec
 
 from pyagent_framework.chat_templates import render_chat_template
-from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.output_processor import OutputProcessor, RequestState, child_id
 from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.messages import AddRequest, CoreSamplingParams, GrammarRequest
 
 MAX_CACHE_SALT = 256  # characters
+
+logger = logging.getLogger("pyagent_framework.engine")
 
 
 class InputProcessor:
@@ -90,13 +95,15 @@ class InputProcessor:
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
-        reasoning_parser: str | None = None,
-        reasoning_request: Mapping[str, Any] | None = None,
+        parsers: OutputParsers | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """Validate and tokenize a request; raises :class:`InvalidRequestError` naming
-        the bad field. ``reasoning_parser`` (a registry name) makes a structured-output
-        grammar constrain only the answer after the model's reasoning, as that parser
-        (prepared with the prompt and ``reasoning_request``) finds its end."""
+        the bad field. ``parsers`` name the reasoning and tool-call parsers that read
+        each sample's text. With a structured-output grammar, the reasoning parser also
+        makes the grammar constrain only the answer after the model's reasoning, as the
+        core's own instance of it finds its end; if the prompt opened no reasoning (the
+        parser says it is over before the first token), all is answer and none is
+        parsed as reasoning."""
         params = (params or SamplingParams()).validate(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
             raise InvalidRequestError(
@@ -114,16 +121,28 @@ class InputProcessor:
                 param="prompt",
             )
         now = time.time() if arrival_time is None else arrival_time
+        try:
+            state = outputs.new_state(request_id, text, list(ids), params, now, parsers)
+        except ConfigError as exc:  # a parser name no plugin registers
+            raise InvalidRequestError(str(exc), param=f"parsers.{exc.field}") from None
         core_params = core_sampling_params(params)
         grammar = None
         if params.structured_outputs is not None:
+            gate = None
+            first = state.samples[0].parsers
+            if first is not None and first.reasoning is not None:
+                if _reasoning_over_at_start(first.reasoning, request_id):
+                    for sample in state.samples:  # no reasoning opened: all is answer
+                        sample.parsers.reasoning = None
+                else:
+                    gate = parsers
             spec = params.structured_outputs.spec()
             grammar = GrammarRequest(
                 spec.kind,
                 list(spec.value) if isinstance(spec.value, tuple) else spec.value,
                 params.structured_outputs.backend,
-                reasoning_parser,
-                dict(reasoning_request) if reasoning_parser is not None and reasoning_request is not None else None,
+                gate.reasoning_parser if gate is not None else None,
+                dict(gate.request) if gate is not None else None,
             )
         # Prompt logprobs are the first sample's: the others need not compute them.
         others = msgspec.structs.replace(core_params, prompt_logprobs=None)
@@ -131,7 +150,17 @@ class InputProcessor:
             AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar)
             for index in range(params.n)
         ]
-        return outputs.new_state(request_id, text, list(ids), params, now), adds
+        return state, adds
+
+
+def _reasoning_over_at_start(parser: Any, request_id: str) -> bool:
+    """Whether the reasoning is over before the first output token (the prompt opened
+    none); a parser that raises counts as over, as in the core's grammar gate."""
+    try:
+        return bool(parser.is_reasoning_end(()))
+    except Exception:
+        logger.exception("reasoning parser raised in is_reasoning_end (request %s); the grammar constrains all", request_id)
+        return True
 
 
 def core_sampling_params(params: SamplingParams) -> CoreSamplingParams:

@@ -8,6 +8,7 @@ from typing import Any, Union
 
 from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.llm_engine import LLMEngine
+from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 
@@ -62,14 +63,16 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        parsers: OutputParsers | None = None,
     ) -> list[RequestOutput]:
         """Outputs for every prompt, in the order given. A single prompt may be a string
         or a list of token ids. ``cache_salt`` keeps these prompts' cached KV blocks
-        apart from requests with another salt (or none). A request that fails while it
-        runs (a plugin raised for it, its grammar ran over its time budget) comes back
-        with ``finish_reason="error"`` and the reason in ``error``; the others are
-        unaffected."""
-        ids = self._submit(prompts, params, cache_salt, output_kind="final_only")
+        apart from requests with another salt (or none). ``parsers`` name reasoning and
+        tool-call parsers: each sample's ``message`` is then what they read in its text.
+        A request that fails while it runs (a plugin raised for it, its grammar ran
+        over its time budget) comes back with ``finish_reason="error"`` and the reason
+        in ``error``; the others are unaffected."""
+        ids = self._submit(prompts, params, cache_salt, output_kind="final_only", parsers=parsers)
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
         return [finals[request_id] for request_id in ids]
 
@@ -80,7 +83,7 @@ class LLM:
         submitted when iteration starts; stopping early aborts the rest."""
         yield from self._run(self._submit(prompts, params))
 
-    def _submit(self, prompts, params, cache_salt: str | None = None, output_kind: str | None = None) -> list[str]:
+    def _submit(self, prompts, params, cache_salt: str | None = None, output_kind: str | None = None, parsers=None) -> list[str]:
         """Validate and queue every prompt, or none of them. Grammars compile in
         parallel, and a spec that does not compile raises before anything runs."""
         prompts = _as_prompt_list(prompts)
@@ -91,7 +94,7 @@ class LLM:
         pending = []
         try:
             for request_id, prompt, p in zip(ids, prompts, param_list):
-                pending.append(self.engine.add_request_nowait(request_id, prompt, p, cache_salt=cache_salt))
+                pending.append(self.engine.add_request_nowait(request_id, prompt, p, cache_salt=cache_salt, parsers=parsers))
         except Exception:
             for request_id, _ in pending:
                 self.engine.abort_request(request_id)
@@ -122,14 +125,22 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: Seq[Mapping[str, Any]] | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation with the chat template, then generate. With
+        ``tool_parser`` / ``reasoning_parser`` (registry names, as ``pyagent serve``
+        takes them) each sample's ``message`` holds its content, reasoning and tool calls."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [
             self.encode_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
             for c in conversations
         ]
-        return self.generate(prompts, params)
+        parsers = None
+        if tool_parser is not None or reasoning_parser is not None:
+            request = {"tools": [dict(t) for t in tools]} if tools else {}
+            parsers = OutputParsers(tool_parser=tool_parser, reasoning_parser=reasoning_parser, request=request)
+        return self.generate(prompts, params, parsers=parsers)
 
     def encode_chat(self, messages: Messages, **render_options: Any) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which carries

@@ -2,9 +2,10 @@
 
 For each of a request's ``n`` samples it keeps an incremental detokenizer, the text
 and token ids so far, stop strings (found here; the core is then told to abort the
-sample) and logprobs. Each :class:`CoreOutputs` costs the new tokens only; outputs
-are cumulative, deltas (``output_kind="delta"``: streaming in O(n)) or the final one
-only (``"final_only"``).
+sample), logprobs and the request's reasoning and tool-call parsers (built once per
+sample, by name: :mod:`~pyagent_framework.engine.output_parsers`). Each
+:class:`CoreOutputs` costs the new tokens only; outputs are cumulative, deltas
+(``output_kind="delta"``: streaming in O(n)) or the final one only (``"final_only"``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import threading
 from dataclasses import dataclass, field
 
 from pyagent_framework.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
+from pyagent_framework.engine import output_parsers
 from pyagent_framework.engine.faults import PluginCallError, call_plugin
-from pyagent_framework.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pyagent_framework.engine.output_parsers import OutputParsers, SampleParsers
+from pyagent_framework.engine.outputs import CompletionOutput, Logprob, ParsedMessage, RequestMetrics, RequestOutput
 from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.messages import CoreOutput, CoreOutputs, ErrorCode, TokenLogprobs
 
@@ -46,6 +49,8 @@ class SampleState:
     num_preemptions: int = 0
     sent_text: int = 0  # delta outputs: what the previous output already carried
     sent_tokens: int = 0
+    parsers: SampleParsers | None = None
+    message: ParsedMessage | None = None  # what the parsers made of the finished text
 
     @property
     def finished(self) -> bool:
@@ -84,13 +89,17 @@ class OutputProcessor:
         self._children: dict[str, tuple[RequestState, SampleState]] = {}
         self.lock = threading.Lock()  # adds and aborts (any thread) vs processing (the output thread)
 
-    def new_state(self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, now: float) -> RequestState:
+    def new_state(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, now: float, parsers: OutputParsers | None = None
+    ) -> RequestState:
         samples = [
             SampleState(index, IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens))
             for index in range(params.n)
         ]
         for sample in samples:
             sample.logprobs = [] if params.logprobs is not None else None
+            if parsers is not None:
+                sample.parsers = output_parsers.build(parsers, self.tokenizer, ids)
         state = RequestState(request_id, prompt, list(ids), params, samples, RequestMetrics(arrival_time=now))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -104,11 +113,16 @@ class OutputProcessor:
 
     def remove(self, request_id: str) -> RequestState | None:
         with self.lock:
-            state = self.requests.pop(request_id, None)
+            state = self.requests.get(request_id)
             if state is not None:
-                for sample in state.samples:
-                    self._children.pop(child_id(request_id, sample.index), None)
+                self._forget(state)
             return state
+
+    def _forget(self, state: RequestState) -> None:
+        """Drop the request and its samples' core ids (the lock held)."""
+        self.requests.pop(state.request_id, None)
+        for sample in state.samples:
+            self._children.pop(child_id(state.request_id, sample.index), None)
 
     def abort(self, request_id: str, now: float) -> tuple[RequestOutput | None, list[str]]:
         """Finish the request's running samples with "abort"; returns its final output
@@ -130,7 +144,7 @@ class OutputProcessor:
                 return None, []
             aborts: list[str] = []
             self._fail(state, message, kind, now, aborts)
-        self.remove(request_id)
+            self._forget(state)
         return self._output(state), aborts
 
     # ------------------------------------------------------------------ processing
@@ -154,13 +168,11 @@ class OutputProcessor:
                 touched[state.request_id] = state
             results = []
             for state in touched.values():
-                output = self._output(state)
+                output = self._output(state, outputs.timestamp, aborts)
                 if output is not None:
                     results.append(output)
                 if state.finished:
-                    self.requests.pop(state.request_id, None)
-                    for sample in state.samples:
-                        self._children.pop(child_id(state.request_id, sample.index), None)
+                    self._forget(state)
         return results, aborts
 
     def _apply(self, state: RequestState, sample: SampleState, out: CoreOutput, now: float, aborts: list[str]) -> None:
@@ -224,38 +236,40 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ outputs
 
-    def _output(self, state: RequestState) -> RequestOutput | None:
+    def _output(self, state: RequestState, now: float = 0.0, aborts: list[str] | None = None) -> RequestOutput | None:
+        """The request's output now, or None (nothing to report). With ``aborts`` (a
+        step's outputs) the parsers read the update; a parser that raises fails the
+        request. Without (an abort or a failure from the front end) they do not."""
         kind = state.params.output_kind
-        finished = state.finished
-        if (kind == "final_only" and not finished) or state.reported:
+        if (kind == "final_only" and not state.finished) or state.reported:
             return None
         delta = kind == "delta"
-        outputs = []
-        for sample in state.samples:
-            text = sample.text
-            if not sample.finished and state.params.stop_strings:
-                text = text[: len(text) - partial_stop_length(text, state.params.stop_strings)]
-            token_ids, logprobs = sample.token_ids, sample.logprobs
-            if delta:
-                visible = len(text)
-                text, token_ids = text[sample.sent_text :], token_ids[sample.sent_tokens :]
-                logprobs = None if logprobs is None else logprobs[sample.sent_tokens :]
-                sample.sent_text, sample.sent_tokens = max(sample.sent_text, visible), len(sample.token_ids)
-            outputs.append(
-                CompletionOutput(
-                    index=sample.index,
-                    text=text,
-                    token_ids=list(token_ids),
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
-                    logprobs=None if logprobs is None else list(logprobs),
-                    cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
-                )
+        pieces = [self._piece(state, sample, delta) for sample in state.samples]
+        deltas: list = [None] * len(pieces)
+        if aborts is not None:
+            try:
+                deltas = [self._parse(sample, text, ids, delta) for sample, (text, ids, _) in zip(state.samples, pieces)]
+            except PluginCallError as exc:
+                self._fail(state, str(exc), "internal", now, aborts)
+                deltas = [None] * len(pieces)
+        outputs = [
+            CompletionOutput(
+                index=sample.index,
+                text=text,
+                token_ids=list(token_ids),
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+                logprobs=None if logprobs is None else list(logprobs),
+                cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
+                message_delta=message_delta,
+                message=sample.message,
             )
+            for sample, (text, token_ids, logprobs), message_delta in zip(state.samples, pieces, deltas)
+        ]
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs, state.sent_prompt_logprobs = prompt_logprobs[state.sent_prompt_logprobs :], len(prompt_logprobs)
-        state.reported = finished
+        finished = state.reported = state.finished
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -267,6 +281,35 @@ class OutputProcessor:
             error=state.error,
             error_kind=state.error_kind,
         )
+
+    @staticmethod
+    def _piece(state: RequestState, sample: SampleState, delta: bool) -> tuple[str, list[int], list | None]:
+        """A sample's text, token ids and logprobs to report: all so far, or (``delta``)
+        what the previous output did not carry. A running sample's text holds back a
+        tail that could start a stop string."""
+        text = sample.text
+        if not sample.finished and state.params.stop_strings:
+            text = text[: len(text) - partial_stop_length(text, state.params.stop_strings)]
+        token_ids, logprobs = sample.token_ids, sample.logprobs
+        if delta:
+            visible = len(text)
+            text, token_ids = text[sample.sent_text :], token_ids[sample.sent_tokens :]
+            logprobs = None if logprobs is None else logprobs[sample.sent_tokens :]
+            sample.sent_text, sample.sent_tokens = max(sample.sent_text, visible), len(sample.token_ids)
+        return text, token_ids, logprobs
+
+    @staticmethod
+    def _parse(sample: SampleState, text: str, token_ids: list[int], delta: bool):
+        """Feed the parsers this output's piece of the sample: the message it adds
+        (``delta``), or once the sample has ended, the whole message (kept on it)."""
+        parsers = sample.parsers
+        if parsers is None or parsers.done or sample.finish_reason in ("abort", "error"):
+            return None
+        if delta:
+            return parsers.update(text, token_ids, final=sample.finished)
+        if sample.finished:
+            sample.message = parsers.whole(text)
+        return None
 
     @staticmethod
     def _metrics(state: RequestState) -> RequestMetrics:

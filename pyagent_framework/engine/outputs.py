@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pyagent_framework.types import DeltaMessage, ToolCall
 
 
 @dataclass
@@ -34,11 +35,24 @@ class RequestMetrics:
 
 
 @dataclass
+class ParsedMessage:
+    """What a request's parsers made of a finished sample's whole text."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     """One of a request's ``n`` samples. ``text`` only grows between updates; while the
     sample runs it withholds a tail that could start a stop string. With
     ``output_kind="delta"``, ``text``, ``token_ids`` and ``logprobs`` hold only what is
-    new since the request's previous output."""
+    new since the request's previous output. A request with parsers (see
+    :mod:`pyagent_framework.engine.output_parsers`) also gets the message they read:
+    ``message_delta``, what this update adds, with ``output_kind="delta"``; otherwise
+    ``message``, the whole message, once the sample has ended (not on "abort" or
+    "error")."""
 
     index: int
     text: str
@@ -47,6 +61,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    message_delta: DeltaMessage | None = None
+    message: ParsedMessage | None = None
 
     @property
     def finished(self) -> bool:

@@ -53,7 +53,7 @@ def serve(engine_config, config: ServerConfig) -> None:
 
     from pyagent_framework.engine.async_llm import AsyncLLM
 
-    tool_parser, reasoning_parser = load_parsers(config)  # before the weights load: fail fast
+    load_parsers(config)  # before the weights load: fail fast
     log = logging.getLogger("pyagent_framework")
     server: uvicorn.Server | None = None
 
@@ -69,7 +69,7 @@ def serve(engine_config, config: ServerConfig) -> None:
 
     engine = AsyncLLM.from_config(engine_config, step_timeout=config.step_timeout, on_dead=engine_died)
     model_name = config.served_model_name or engine_config.model or "smollm2"
-    app = build_app(engine, config, model_name=model_name, tool_parser_cls=tool_parser, reasoning_parser_cls=reasoning_parser)
+    app = build_app(engine, config, model_name=model_name)
     logging.getLogger("pyagent_framework").info("serving %r on http://%s:%d", model_name, config.host, config.port)
     server = uvicorn.Server(
         uvicorn.Config(

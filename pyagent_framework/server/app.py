@@ -174,18 +174,11 @@ class Guard:
         await error_response(413, message, code="request_too_large")(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, tool_parser_cls=None, reasoning_parser_cls=None) -> Guard:
+def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Guard:
     """The ASGI app over a running :class:`AsyncLLM`; the caller owns the engine
     (several apps may share one) and shuts it down."""
     metrics = ServerMetrics(engine.stats, model_name)
-    serving = OpenAIServing(
-        engine,
-        config,
-        model_name=model_name,
-        metrics=metrics,
-        tool_parser_cls=tool_parser_cls,
-        reasoning_parser_cls=reasoning_parser_cls,
-    )
+    serving = OpenAIServing(engine, config, model_name=model_name, metrics=metrics)
 
     app = FastAPI(title="pyagent-framework", version="1", responses=ERROR_RESPONSES)
     app.state.serving = serving

@@ -1,5 +1,5 @@
-"""The chat-completions endpoint, whole or streamed: tool choice, the tool-call and
-reasoning parsers over each choice, and the response or its chunks."""
+"""The chat-completions endpoint, whole or streamed: tool choice, which parsers read
+each choice (the front end runs them), and the response or its chunks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pyagent_framework.engine.faults import call_plugin
-from pyagent_framework.engine.outputs import CompletionOutput, RequestOutput
+from pyagent_framework.engine.output_parsers import NAMED_TOOL_CALL, REQUIRED_TOOL_CALLS, OutputParsers
+from pyagent_framework.engine.outputs import CompletionOutput, ParsedMessage, RequestOutput
 from pyagent_framework.server import protocol as api
 from pyagent_framework.server import tool_choice
-from pyagent_framework.server.choice_state import ChoiceState
 from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.streaming import Events, check_output, collect, error_event, merge, sse, streamed_usage, usage
 
@@ -37,7 +37,7 @@ class ChatMixin:
         if choice == "none":
             return None, None
         if choice in (None, "auto"):
-            if not (self.config.enable_auto_tool_choice and self.tool_parser_cls is not None):
+            if not (self.config.enable_auto_tool_choice and self.config.tool_call_parser):
                 raise APIError(
                     400,
                     '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser',
@@ -54,23 +54,11 @@ class ChatMixin:
         except tool_choice.ToolChoiceError as exc:
             raise APIError(400, str(exc), param="tool_choice" if choice != "required" else "tools") from None
 
-    def _tool_reader(self, mode: str | None, req: api.ChatCompletionRequest):
-        """A fresh reader of one choice's output for tool calls (None: plain text)."""
-        if mode == "auto":
-            return call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
-        if mode == "required":
-            return tool_choice.RequiredToolCalls()
-        if mode == "named":
-            return tool_choice.NamedToolCall(req.tool_choice.function.name)
-        return None
-
-    def _reasoning_reader(self, prompt_ids: list[int], request_dict: dict[str, Any]):
-        if self.reasoning_parser_cls is None:
-            return None
-        name = self.config.reasoning_parser
-        parser = call_plugin("reasoning_parser", name, "__init__", self.reasoning_parser_cls, self.tokenizer)
-        call_plugin("reasoning_parser", name, "prepare", parser.prepare, prompt_ids, request_dict)
-        return parser
+    def _parsers(self, mode: str | None, request_dict: dict[str, Any]) -> OutputParsers:
+        """The parsers that read each choice: the tool-call reader for the tool mode and
+        the server's reasoning parser."""
+        tool = {"auto": self.config.tool_call_parser, "required": REQUIRED_TOOL_CALLS, "named": NAMED_TOOL_CALL}.get(mode)
+        return OutputParsers(tool_parser=tool, reasoning_parser=self.config.reasoning_parser, request=request_dict)
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
@@ -85,34 +73,18 @@ class ChatMixin:
         params = self.sampling_params(
             req, max_tokens=max_tokens, prompt_len=len(prompt_ids), logprobs=logprobs, prompt_param="messages"
         )
-        request_dict = req.model_dump(exclude_none=True)
         if schema is not None:
             params = dataclasses.replace(params, structured_outputs={"json": schema})
-        reasoning = self.reasoning_parser_cls is not None
-        gated = False
-        if params.structured_outputs is not None and reasoning:
-            # The grammar constrains the answer only, from the end of the reasoning on (the
-            # engine core asks its own instance of the parser where that is); if that is
-            # the first token (the prompt opened no reasoning), all is answer.
-            reasoning = gated = not self._reasoning_reader(prompt_ids, request_dict).is_reasoning_end(())
+        # The grammar, if any, constrains the answer only: the front end and the core
+        # ask the reasoning parser where the reasoning ends.
+        parsers = self._parsers(mode, req.model_dump(exclude_none=True))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = [
-            ChoiceState(
-                tool_parser=self._tool_reader(mode, req),
-                reasoning_parser=self._reasoning_reader(prompt_ids, request_dict) if reasoning else None,
-                tool_name=self.config.tool_call_parser if mode == "auto" else f"tool_choice={mode}",
-                reasoning_name=self.config.reasoning_parser or "",
-            )
-            for _ in range(req.n)
-        ]
-        stream = await self._start(
-            prompt_ids, params, req.cache_salt, reasoning_request=request_dict if gated else None, param="tools" if schema else None
-        )
+        stream = await self._start(prompt_ids, params, req.cache_salt, parsers=parsers, param="tools" if schema else None)
         tracker = self.metrics.track(len(prompt_ids), delta=bool(req.stream))
         if req.stream:
-            return Events(self._chat_stream(req, request_id, stream, choices, request_dict, tracker), [stream], [tracker])
+            return Events(self._chat_stream(req, request_id, stream, tracker), [stream], [tracker])
         final = await collect(stream, tracker)
-        return self._chat_response(req, request_id, final, choices, request_dict)
+        return self._chat_response(req, request_id, final)
 
     def _adjusted(self, req: api.ChatCompletionRequest) -> api.ChatCompletionRequest:
         """The request as the tool parser wants it (e.g. special tokens kept)."""
@@ -122,29 +94,24 @@ class ChatMixin:
         updates = {k: v for k, v in after.items() if k in type(req).model_fields and v != before.get(k)}
         return req.model_copy(update=updates) if updates else req
 
-    def _chat_response(self, req, request_id: str, final: RequestOutput, choices, request_dict) -> api.ChatCompletionResponse:
+    def _chat_response(self, req, request_id: str, final: RequestOutput) -> api.ChatCompletionResponse:
         out_choices = []
-        for output, state in zip(final.outputs, choices):
-            content: str | None = output.text
-            reasoning = None
-            if state.reasoning_parser is not None:
-                split = state.call("reasoning_parser", "extract", state.reasoning_parser.extract, output.text, request_dict)
-                reasoning, content = split.reasoning_content, split.content
-            tool_calls = []
+        for output in final.outputs:
+            # What the parsers read: content, reasoning, tool calls (a sample cut short by
+            # the engine's shutdown has only its text).
+            message = output.message or ParsedMessage(content=output.text)
+            tool_calls = [
+                api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)) for c in message.tool_calls
+            ]
             finish_reason = output.finish_reason
-            if state.tool_parser is not None:
-                extracted = state.call("tool_parser", "extract", state.tool_parser.extract, content or "", request_dict)
-                content = extracted.content
-                tool_calls = [
-                    api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
-                    for c in extracted.tool_calls
-                ]
-                if tool_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+            if tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
             out_choices.append(
                 api.ChatChoice(
                     index=output.index,
-                    message=api.ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
+                    message=api.ChatResponseMessage(
+                        content=message.content, reasoning_content=message.reasoning_content, tool_calls=tool_calls
+                    ),
                     logprobs=self._chat_logprobs(output, 0, req.top_logprobs or 0) if req.logprobs else None,
                     finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
@@ -154,7 +121,7 @@ class ChatMixin:
             id=request_id, model=self.model_name, choices=out_choices, usage=usage(final), prompt_logprobs=self._prompt_logprobs(req, final)
         )
 
-    async def _chat_stream(self, req, request_id, stream, choices, request_dict, tracker) -> AsyncIterator[str]:
+    async def _chat_stream(self, req, request_id, stream, tracker) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
@@ -166,13 +133,15 @@ class ChatMixin:
         for index in range(req.n):
             yield chunk([api.ChatStreamChoice(index=index, delta=api.DeltaOut(role="assistant", content=""))])
         final = None
+        done: set[int] = set()  # choices whose finish went out
+        called: set[int] = set()  # choices that sent a tool call
         try:
             async for _, out in merge([stream], [tracker]):
                 final = out
                 check_output(out)
                 pieces = []
-                for output, state in zip(out.outputs, choices):
-                    piece = self._chat_delta(req, output, state, request_dict)
+                for output in out.outputs:
+                    piece = self._chat_delta(req, output, done, called)
                     if piece is not None:
                         pieces.append(piece)
                 if pieces:
@@ -185,19 +154,21 @@ class ChatMixin:
             yield chunk([], streamed_usage([tracker]))
         yield sse("[DONE]")
 
-    def _chat_delta(self, req, output: CompletionOutput, state: "ChoiceState", request_dict) -> api.ChatStreamChoice | None:
+    def _chat_delta(self, req, output: CompletionOutput, done: set[int], called: set[int]) -> api.ChatStreamChoice | None:
         """What one choice adds in this update, or None."""
-        if state.done:
+        if output.index in done:
             return None
-        # A delta output: the text, token ids and logprobs new since the last one.
-        message = state.parse(output.text, output.token_ids, request_dict, final=output.finish_reason is not None)
+        # A delta output: the text, token ids, logprobs and parsed message new since the last one.
+        message = output.message_delta
+        if message is not None and message.tool_calls:
+            called.add(output.index)
         logprobs = None
         if req.logprobs and output.logprobs:
             logprobs = self._chat_logprobs(output, 0, req.top_logprobs or 0)
         finish_reason = output.finish_reason
         if finish_reason is not None:
-            state.done = True
-            if state.called_tools and finish_reason == "stop":
+            done.add(output.index)
+            if output.index in called and finish_reason == "stop":
                 finish_reason = "tool_calls"
         if message is None and logprobs is None and finish_reason is None:
             return None

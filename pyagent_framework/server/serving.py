@@ -21,46 +21,16 @@ from typing import Any
 from pyagent_framework.chat_templates import ChatTemplateError
 from pyagent_framework.engine.async_llm import AsyncLLM, EngineDeadError
 from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.params import SamplingParams
-from pyagent_framework.server import protocol as api
+from pyagent_framework.server import load_parsers, protocol as api
 from pyagent_framework.server.chat import ChatMixin
-from pyagent_framework.server.choice_state import ChoiceState, join_deltas
 from pyagent_framework.server.completions import CompletionsMixin
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.logprobs import LogprobsMixin
 from pyagent_framework.server.metrics import ServerMetrics
 from pyagent_framework.server.sampling import SamplingMixin
-from pyagent_framework.server.streaming import (
-    Events,
-    as_api_error,
-    check_output,
-    collect,
-    error_event,
-    merge,
-    sse,
-    total_usage,
-    usage,
-)
-
-# This module's public names, those now defined in .streaming and .choice_state
-# included, so that importers of this module keep working.
-__all__ = [
-    "RESERVED_TEMPLATE_KWARGS",
-    "ChoiceState",
-    "Events",
-    "OpenAIServing",
-    "as_api_error",
-    "check_output",
-    "collect",
-    "error_event",
-    "join_deltas",
-    "merge",
-    "message_dict",
-    "sse",
-    "total_usage",
-    "usage",
-]
 
 # Template variables a request may not set: the renderer's own inputs and its limits.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -78,16 +48,14 @@ class OpenAIServing(ChatMixin, CompletionsMixin, SamplingMixin, LogprobsMixin):
         *,
         model_name: str,
         metrics: ServerMetrics,
-        tool_parser_cls: type | None = None,
-        reasoning_parser_cls: type | None = None,
     ) -> None:
         self.engine = engine
         self.inputs = engine.engine.input_processor  # the tokenizer, chat template and limits
         self.config = config
         self.model_name = model_name
         self.metrics = metrics
-        self.tool_parser_cls = tool_parser_cls
-        self.reasoning_parser_cls = reasoning_parser_cls
+        # The parsers the config names (checked here; the front end builds them per sample).
+        self.tool_parser_cls, self.reasoning_parser_cls = load_parsers(config)
         self.created = int(time.time())
 
     @property
@@ -110,7 +78,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, SamplingMixin, LogprobsMixin):
         params: SamplingParams,
         cache_salt: str | None,
         *,
-        reasoning_request: dict | None = None,
+        parsers: OutputParsers | None = None,
         param: str | None = None,
     ):
         """Queue the request; ``param`` names the request field an invalid
@@ -122,8 +90,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, SamplingMixin, LogprobsMixin):
                 params,
                 request_id=request_id,
                 cache_salt=cache_salt,
-                reasoning_parser=self.config.reasoning_parser if reasoning_request is not None else None,
-                reasoning_request=reasoning_request,
+                parsers=parsers,
             )
         except InvalidRequestError as exc:
             where = param if param and (exc.param or "").startswith("structured_outputs") else exc.param
