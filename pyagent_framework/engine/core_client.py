@@ -79,6 +79,10 @@ class InprocClient:
             queue()
         self._wake.set()
 
+    def wake(self) -> None:
+        """End a :meth:`get_outputs` that waits for work now."""
+        self._wake.set()
+
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
         """Run one step (None if there is nothing to run for ``timeout`` seconds)."""
         with self._lock:

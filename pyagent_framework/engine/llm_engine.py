@@ -96,6 +96,8 @@ class LLMEngine:
                 if output is not None:
                     self._failed.append(output)
             self.client.abort_requests(child_ids)
+            if output is not None:
+                self.client.wake()  # a step() waiting on the core returns it
 
     def wait_added(self, pending: list[tuple[str, list[concurrent.futures.Future]]]) -> None:
         """Wait until the core has every one of these requests; if one cannot be served

@@ -136,6 +136,11 @@ class ProcessClient:
         if request_ids and self.error is None:
             self._send(AbortRequests(list(request_ids)))
 
+    def wake(self) -> None:
+        """End a :meth:`get_outputs` that waits now (it returns None): the front end has
+        news of its own, a request the core refused."""
+        self._outputs.put(None)
+
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
         try:
             item = self._outputs.get(timeout=timeout)
