@@ -4,10 +4,12 @@ The engine core runs in a process of its own by default. Tests keep it in their 
 process unless ``PYAGENT_ENGINE_PROCESS=1`` is set: most tests start many small
 engines, and some read the core's state (blocks, queues, the model). ``make test``
 runs the engine and server tests a second time with ``PYAGENT_ENGINE_PROCESS=1``.
-Tests marked ``in_process`` run only in the first pass: they read the core's state, or
-register plugins at run time in the test's process, where a core process (which loads
-installed plugins) does not see them. A fixture that registers plugins calls
-:func:`in_process_only`.
+Tests marked ``in_process`` run only in the first pass: they read or patch the core's
+state (its pool, its scheduler, a plugin object's counters), or share an object with it
+(a dict in a config), which a core process would only get a copy of.
+A core process loads only installed plugins, so a test's fake plugins are installed as
+a distribution on ``PYTHONPATH`` as well as registered in the test's process
+(:mod:`tests.plugin_dist`); then they run in both passes.
 """
 
 import os
@@ -19,7 +21,7 @@ os.environ.setdefault("PYAGENT_ENGINE_PROCESS", "0")
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "in_process: needs the engine core in the test's process (reads its state, or registers plugins at run time)"
+        "markers", "in_process: needs the engine core in the test's process (reads, patches or shares its state)"
     )
 
 
@@ -28,12 +30,6 @@ REASON = "needs the engine core in the test's process: runs in the pass that kee
 
 def core_in_own_process() -> bool:
     return os.environ.get("PYAGENT_ENGINE_PROCESS") in ("1", "true", "True")
-
-
-def in_process_only() -> None:
-    """Skip the calling test when the core runs in a process of its own."""
-    if core_in_own_process():
-        pytest.skip(REASON)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,34 +13,29 @@ import pytest
 from pyagent_framework import LLM, AsyncLLM, SamplingParams, registries
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.testing.kv import MemoryConnector
-from pyagent_framework.types import Draft
-from pyagent_xgrammar.backend import XGrammarBackend, XGrammarMatcher
+from tests import plugin_dist
 from tests.tiny_models import tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores"]
 
 
-class RaisingMatcher(XGrammarMatcher):
-    def fill_bitmask(self, bitmask, row):
-        raise RuntimeError("no mask today")
+# Misbehaving entries, chosen by name: registered here and installed for a core process
+# of its own, for the whole module (its engines, the module's one too, start after them).
+FAKES = {
+    "grammar_backends": {
+        "raising-test": "tests.fake_xgrammar_plugins:RaisingBackend",  # its matchers raise in fill_bitmask
+        "slow-test": "tests.fake_xgrammar_plugins:SlowBackend",  # compiles take 0.6 s
+    },
+    "proposers": {"picky-test": "tests.fake_plugins:PickyProposer"},  # raises for prompts that start with 42
+}
 
 
-class RaisingBackend(XGrammarBackend):
-    def matcher(self, compiled):
-        return RaisingMatcher(compiled)
-
-
-class PickyProposer:
-    """Drafts nothing, and raises for the request whose prompt starts with token 42."""
-
-    def __init__(self, config=None) -> None:
-        pass
-
-    def propose(self, requests):
-        if any(r.token_ids[0] == 42 for r in requests):
-            raise ValueError("token 42 is not welcome")
-        return [Draft([]) for _ in requests]
+@pytest.fixture(scope="module", autouse=True)
+def fakes(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        with plugin_dist.installed(monkeypatch, tmp_path_factory.mktemp("plugins"), FAKES):
+            yield
 
 
 @pytest.fixture(scope="module")
@@ -58,38 +53,30 @@ def alone(llm):
     return [out.outputs[0].text for out in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.in_process
 def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alone):
-    entry = registries.grammar_backends.register("raising-test", RaisingBackend, override=True)
-    try:
-        bad = GREEDY.replace(structured_outputs={"regex": "[a-z ]+", "backend": "raising-test"})
-        outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, bad, GREEDY])
-    finally:
-        registries.grammar_backends.unregister(entry.name)
+    bad = GREEDY.replace(structured_outputs={"regex": "[a-z ]+", "backend": "raising-test"})
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [GREEDY, bad, GREEDY])
     assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
     failed = outs[1]
     assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error_kind == "internal"
     assert "grammar backend 'raising-test'" in failed.error and "fill_bitmask" in failed.error and "no mask today" in failed.error
-    assert llm.engine.stats()["num_free_kv_blocks"] == llm.engine.core.pool.num_blocks
-    assert llm.engine.stats()["num_request_errors"] >= 1
+    stats = llm.engine.stats()  # the core's pool: num_kv_blocks is pool.num_blocks
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_request_errors"] >= 1
 
 
-@pytest.mark.in_process
 def test_a_proposer_that_raises_for_one_request_fails_only_that_one(path, alone):
-    entry = registries.proposers.register("picky-test", PickyProposer, override=True)
-    try:
-        spec = LLM(path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none", speculative_method="picky-test")
-        prompt_ids = spec.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
-        outs = spec.generate([PROMPTS[0], [42, *prompt_ids], PROMPTS[2]], GREEDY)
-    finally:
-        registries.proposers.unregister(entry.name)
+    spec = LLM(path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none", speculative_method="picky-test")
+    prompt_ids = spec.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    outs = spec.generate([PROMPTS[0], [42, *prompt_ids], PROMPTS[2]], GREEDY)
     assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
     assert outs[1].outputs[0].finish_reason == "error"
     assert "proposer 'picky-test'" in outs[1].error and "token 42 is not welcome" in outs[1].error
-    assert spec.engine.core.pool.num_free_blocks == spec.engine.core.pool.num_blocks
+    stats = spec.engine.stats()  # the core's pool.num_free_blocks and pool.num_blocks
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # patches the core's updater
 def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
     updater = llm.engine.core.updater
     original = updater._advance
@@ -109,7 +96,7 @@ def test_a_bookkeeping_failure_fails_the_steps_requests_and_the_engine_goes_on(l
     assert [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)] == alone
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # patches the core's model runner
 def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     def broken(batch):
         raise RuntimeError("device lost")
@@ -122,7 +109,7 @@ def test_a_forward_failure_is_an_engine_failure(llm, monkeypatch):
     llm.engine.abort_request("doomed")
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # holds the in-process core client's lock
 def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(path):
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
     try:
@@ -150,17 +137,7 @@ def test_callers_cancelled_while_their_add_waits_cannot_kill_the_engine_thread(p
         engine.shutdown()
 
 
-class SlowBackend(XGrammarBackend):
-    def compile(self, spec, tokenizer_info):
-        import time
-
-        time.sleep(0.6)
-        return super().compile(spec, tokenizer_info)
-
-
-@pytest.mark.in_process
 def test_a_caller_cancelled_while_its_grammar_compiles_leaves_the_shared_compile_alone(path):
-    entry = registries.grammar_backends.register("slow-test", SlowBackend, override=True)
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=128, attention_backend="torch", quantization="none")
     try:
         params = GREEDY.replace(structured_outputs={"regex": "[a-z ]{1,40}", "backend": "slow-test"})
@@ -182,7 +159,6 @@ def test_a_caller_cancelled_while_its_grammar_compiles_leaves_the_shared_compile
         assert engine.is_alive and stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     finally:
         engine.shutdown()
-        registries.grammar_backends.unregister(entry.name)
 
 
 class SlowStore(MemoryConnector):
@@ -195,7 +171,7 @@ class SlowStore(MemoryConnector):
         return super().get(keys)
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # the connector's store is a dict in this process, passed in its config
 def test_a_caller_cancelled_while_its_kv_blocks_load_frees_them(path):
     store: dict = {}
     entry = registries.kv_connectors.register("slow-store-test", SlowStore, override=True)

@@ -11,44 +11,11 @@ import pytest
 
 from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine.errors import ConfigError
-from pyagent_framework.interfaces import Proposer
-from pyagent_framework.types import Draft
-from conftest import in_process_only
+from tests import plugin_dist
+from tests.fake_plugins import RandomProposer
 from tests.tiny_models import tiny_checkpoint
 
 MAX_NEW = 12
-
-
-class OracleProposer(Proposer):
-    """Drafts the true greedy continuation (``config["answers"]``: full token lists),
-    or, for every ``wrong_every``-th position, a wrong token."""
-
-    def __init__(self, config):
-        self.answers = [list(a) for a in config.get("answers", [])]
-        self.wrong_every = config.get("wrong_every", 0)
-        self.finished = []
-
-    def propose(self, requests):
-        drafts = []
-        for request in requests:
-            tokens = list(request.token_ids)
-            full = next((a for a in self.answers if a[: len(tokens)] == tokens), None)
-            draft = [] if full is None else full[len(tokens) : len(tokens) + request.max_tokens]
-            if self.wrong_every:
-                draft = [(t + 1) % 300 if (i + 1) % self.wrong_every == 0 else t for i, t in enumerate(draft)]
-            drafts.append(Draft(draft))
-        return drafts
-
-    def request_finished(self, seq_id, token_ids, num_prompt_tokens):
-        self.finished.append(seq_id)
-
-
-class RandomProposer(Proposer):
-    def __init__(self, config):
-        self.rng = random.Random(config.get("seed", 0))
-
-    def propose(self, requests):
-        return [Draft([self.rng.randrange(2, 300) for _ in range(r.max_tokens)]) for r in requests]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +24,11 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def proposers():
-    in_process_only()  # registered in this process: a core process would not see them
-    registries.proposers.register("oracle-test", OracleProposer, override=True)
-    registries.proposers.register("random-test", RandomProposer, override=True)
-    yield
-    registries.proposers.unregister("oracle-test")
-    registries.proposers.unregister("random-test")
+def proposers(tmp_path, monkeypatch):
+    """Registered here and installed for a core process of its own."""
+    entries = {"oracle-test": "tests.fake_plugins:OracleProposer", "random-test": "tests.fake_plugins:RandomProposer"}
+    with plugin_dist.installed(monkeypatch, tmp_path / "plugins", {"proposers": entries}):
+        yield
 
 
 def _prompts(n=5, seed=0):
@@ -89,7 +54,7 @@ def plain(path):
     return prompts, _greedy(_engine(path), prompts)
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # reads the proposer's record of finished requests and the block pool, in the core
 @pytest.mark.parametrize("wrong_every", [0, 3, 1])
 def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wrong_every):
     """All-correct, partly wrong and all-wrong drafts, batched, with chunked prefill
@@ -112,7 +77,7 @@ def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wron
     assert llm.engine.core.pool.num_used_blocks == 0  # every block back (cached or free)
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # reads the scheduler's sequences, in the core
 def test_random_drafts_leave_outputs_and_blocks_alone(path, plain):
     prompts, expected = plain
     llm = _engine(path, speculative_method="random-test", num_speculative_tokens=6)

@@ -16,12 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pyagent_framework import LLM, SamplingParams, StructuredOutputsParams, registries
+from pyagent_framework import LLM, OutputParsers, SamplingParams, StructuredOutputsParams
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.structured import StructuredOutputManager, apply_token_bitmask, bitmask_words
-from pyagent_framework.interfaces import GrammarBackend, ReasoningParser
-from pyagent_framework.types import ReasoningSplit
-from conftest import in_process_only
+from tests import plugin_dist
+from tests.fake_plugins import GATE_ENV, FileGate
 from tests.tiny_models import tiny_checkpoint
 
 PROMPT = "The quick brown fox"
@@ -44,7 +43,17 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(path):
+def reasoning_parsers(tmp_path_factory):
+    """Fake reasoning parsers, registered here and installed for a core process of its
+    own: for the whole module, as the module's engine is built once, after them."""
+    entries = {"after-five-test": "tests.fake_plugins:AfterFive", "raising-reasoning-test": "tests.fake_plugins:RaisingReasoning"}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        with plugin_dist.installed(monkeypatch, tmp_path_factory.mktemp("plugins"), {"reasoning_parsers": entries}):
+            yield
+
+
+@pytest.fixture(scope="module")
+def llm(path, reasoning_parsers):
     return LLM(path, kv_cache_memory="64MiB", max_model_len=256, grammar_backend="xgrammar")
 
 
@@ -164,7 +173,7 @@ def test_constrained_rows_leave_the_rest_of_the_batch_alone(llm):
     assert re.fullmatch("[0-9]{12}", together[0].outputs[0].text)
 
 
-@pytest.mark.in_process
+@pytest.mark.in_process  # reads the scheduler's preemption count, in the core
 def test_preempted_constrained_sequences_stay_valid(path):
     # A KV cache this small forces preemption (recompute); matchers keep their state.
     small = LLM(path, num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8)
@@ -174,36 +183,7 @@ def test_preempted_constrained_sequences_stay_valid(path):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
-class AfterFive(ReasoningParser):
-    """Reasoning ends after five output tokens."""
-
-    def extract(self, text, request=None):
-        return ReasoningSplit(None, text)
-
-    def extract_streaming(self, *args):
-        return None
-
-    def is_reasoning_end(self, token_ids):
-        return len(token_ids) >= 5
-
-
-class RaisingReasoning(AfterFive):
-    def is_reasoning_end(self, token_ids):
-        return 1 / 0
-
-
-@pytest.fixture
-def reasoning_parsers():
-    in_process_only()  # registered in this process: a core process would not see them
-    names = {"after-five-test": AfterFive, "raising-reasoning-test": RaisingReasoning}
-    for name, cls in names.items():
-        registries.reasoning_parsers.register(name, cls)
-    yield
-    for name in names:
-        registries.reasoning_parsers.unregister(name)
-
-
-def test_a_grammar_waits_for_the_end_of_the_reasoning(llm, reasoning_parsers):
+def test_a_grammar_waits_for_the_end_of_the_reasoning(llm):
     """With a reasoning parser, tokens are free until it says the reasoning ended (here:
     after five output tokens), then the grammar constrains the rest, from the next token."""
     engine = llm.engine
@@ -212,8 +192,8 @@ def test_a_grammar_waits_for_the_end_of_the_reasoning(llm, reasoning_parsers):
     reasoning = unconstrained.outputs[0].token_ids
     assert not re.fullmatch("[xy]+", unconstrained.outputs[0].text), "the free text must not already match"
     params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "[xy]{4}"})
-    engine.add_request("think", PROMPT, params, reasoning_parser="after-five-test", reasoning_request={})
-    engine.add_request("raises", PROMPT, params, reasoning_parser="raising-reasoning-test")
+    engine.add_request("think", PROMPT, params, parsers=OutputParsers(reasoning_parser="after-five-test"))
+    engine.add_request("raises", PROMPT, params, parsers=OutputParsers(reasoning_parser="raising-reasoning-test"))
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -242,6 +222,7 @@ def test_invalid_specs_fail_before_anything_is_queued_and_the_engine_keeps_servi
             llm.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(structured_outputs=spec)])
         assert words in str(info.value) and info.value.param.startswith("structured_outputs")
         assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.step() == []  # the error was the answer: no failed output follows
     assert re.fullmatch("[xy]{3}", run(llm, {"regex": "[xy]{3}"})[0].text)
 
 
@@ -262,56 +243,24 @@ def test_empty_schema_honours_max_tokens(llm):
 # ---------------------------------------------------------------- selection, cache, timeouts
 
 
-class FakeBackend(GrammarBackend):
-    """xgrammar underneath, but refuses or fails as told and can be held until a test
-    lets it finish."""
-
-    supported_kinds = frozenset({"regex", "json_schema", "choice"})
-    refuse = False
-    gate: threading.Event | None = None
-
-    def compile(self, spec, tokenizer_info):
-        if self.gate is not None:
-            self.gate.wait(30)
-        if self.refuse:
-            raise NotImplementedError(f"{type(self).__name__} refuses")
-        if spec.value == "bad":
-            raise ValueError("bad spec, says the fake")
-        return self._real().compile(spec, tokenizer_info)
-
-    def matcher(self, compiled):
-        return self._real().matcher(compiled)
-
-    @staticmethod
-    def _real() -> GrammarBackend:
-        return registries.grammar_backends.load("xgrammar")()
-
-    def memory_bytes(self, compiled):
-        return 1000
-
-
-class Refuses(FakeBackend):
-    refuse = True
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    """Fake grammar backends (tests.fake_plugins.FakeBackend: xgrammar underneath, but
+    refuses or fails as told), registered here and installed for a core process of its
+    own started by the test."""
+    names = {"fake-refuses": "tests.fake_plugins:Refuses", "fake-ok": "tests.fake_plugins:FakeBackend"}
+    with plugin_dist.installed(monkeypatch, tmp_path / "plugins", {"grammar_backends": names}):
+        yield names
 
 
 @pytest.fixture
-def fakes():
-    in_process_only()  # registered in this process: a core process would not see them
-    names = {"fake-refuses": Refuses, "fake-ok": FakeBackend}
-    for name, cls in names.items():
-        registries.grammar_backends.register(name, cls)
-    yield names
-    for name in names:
-        registries.grammar_backends.unregister(name)
-
-
-@pytest.fixture
-def gate(fakes):
-    """Holds every fake compile until the test sets it."""
-    FakeBackend.gate = threading.Event()
-    yield FakeBackend.gate
-    FakeBackend.gate.set()  # let abandoned compiles end
-    FakeBackend.gate = None
+def gate(fakes, tmp_path, monkeypatch):
+    """Holds every fake compile until the test sets it: a file, so that it holds
+    compiles in a core process of its own (started by the test, after this) too."""
+    gate = FileGate(tmp_path / "gate")
+    monkeypatch.setenv(GATE_ENV, str(gate.path))
+    yield gate
+    gate.set()  # let abandoned compiles end
 
 
 class TinyTokenizer:
@@ -418,20 +367,41 @@ def test_a_compiling_request_does_not_hold_back_others(path, gate):
     engine.add_request_nowait("slow", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "[ab]{4}", "backend": "fake-ok"}))
     engine.add_request("plain", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     finished = {}
-    for _ in range(10):
-        for out in engine.step():
+    for _ in range(10):  # a core of its own has no step to show while only "slow" waits: the timeout ends the wait
+        for out in engine.step(timeout=0.5):
             finished[out.request_id] = out
     assert finished["plain"].finished and "slow" not in finished
     assert engine.stats()["num_compiling"] == 1
     gate.set()
     deadline = time.time() + 30
     while engine.has_unfinished_requests() and time.time() < deadline:
-        for out in engine.step():
+        for out in engine.step(timeout=1):
             finished[out.request_id] = out
     assert finished["slow"].finished and re.fullmatch("[ab]{4}", finished["slow"].outputs[0].text)
 
 
-@pytest.mark.in_process
+def test_a_step_waiting_on_the_core_returns_a_request_whose_grammar_then_fails(path, gate):
+    """The core drops a request whose grammar fails to compile and has no step to show
+    for it: the front end's own failed output must end a step() that already waits."""
+    engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
+    engine.add_request_nowait("bad", PROMPT, SamplingParams(max_tokens=4, structured_outputs={"regex": "bad", "backend": "fake-ok"}))
+    outputs = []
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            outputs.extend(engine.step())  # no timeout: waits for the core
+
+    stepper = threading.Thread(target=drain, daemon=True)
+    stepper.start()
+    time.sleep(0.5)  # the step waits now
+    gate.set()
+    stepper.join(30)
+    assert not stepper.is_alive(), "step() still waits for a request the core dropped"
+    [failed] = outputs
+    assert failed.request_id == "bad" and failed.outputs[0].finish_reason == "error" and "bad spec, says the fake" in failed.error
+
+
+@pytest.mark.in_process  # reads the core's grammar gate and queues
 def test_a_request_aborted_while_compiling_is_dropped(path, gate):
     engine = LLM(path, kv_cache_memory="16MiB", max_model_len=128).engine
     engine.add_request_nowait("r", PROMPT, SamplingParams(structured_outputs={"regex": "a", "backend": "fake-ok"}))
