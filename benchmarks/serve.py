@@ -24,7 +24,9 @@ same workload run offline through ``LLM.generate``, in one run.
 Prints TTFT and inter-token latency p50/p99, both throughputs, the ratio server /
 offline and the overhead 1 - server/offline against the 15% goal. Each side runs the
 workload ``--repeat`` times (fresh prompts each round) and its tok/s is the best round's;
-latencies are pooled over rounds. Before timing, each side runs one warm-up batch of
+latencies are pooled over rounds. The two phases alternate ``--cycles`` times (the
+machine's speed drifts over tens of seconds; alternating lets the drift fall on both
+sides alike) and each side's figure is the median of its cycles'. Before timing, each side runs one warm-up batch of
 ``--clients`` short requests (4 tokens); model loading is not timed. On a small machine
 the client process shares the CPU with the server, as it would in a deployment on one
 host. The share of the machine that other processes used during each phase is
@@ -39,6 +41,7 @@ import json
 import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -231,29 +234,8 @@ def run_offline(model: str, rounds: list[list[str]], max_tokens: int, engine_arg
 # ---------------------------------------------------------------------- main
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming requests (default 32)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
-    parser.add_argument("--repeat", type=int, default=2, help="timed rounds on each side (default 2): tok/s is the best round's, latencies are pooled")
-    parser.add_argument("--health-timeout", type=float, default=180.0, help="seconds to wait for GET /health")
-    group = parser.add_argument_group("engine options (both sides; default: the engine's)")
-    for name, kind in ENGINE_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
-    parser.add_argument(
-        "--offline-thread", choices=["main", "worker", "both"], default="both",
-        help="where LLM.generate is called offline: the main thread (as a script does), a fresh worker thread "
-        "(as the server's engine loop runs), or both (default; the overhead is measured against the faster)",
-    )
-    parser.add_argument("--json", action="store_true", help="print a machine-readable summary")
-    args = parser.parse_args()
-
-    engine_args = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-    rounds = [prompts_for(r, args.clients) for r in range(args.repeat)]
-    say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-
-    # (1) + (2): the server, driven from a second process.
+def server_phase(args, engine_args: dict, rounds: list[list[str]], say) -> dict:
+    """(1) + (2): the server, driven from a second process; its best round's tok/s."""
     from pyagent_framework.server.process import server_process
 
     say("starting pyagent serve ...", flush=True)
@@ -277,18 +259,61 @@ def main() -> None:
     server["other_load"] = server_load.stop()  # both children have exited by now
     server["ready_s"] = ready_s
     server["exit_code"] = running.process.returncode
+    return server
 
-    # (3): the same work offline, in this process, after the server is gone.
+
+def offline_phase(args, engine_args: dict, rounds: list[list[str]], say) -> dict:
+    """(3): the same work offline, in this process, after the server is gone."""
     say("offline LLM.generate ...", flush=True)
     offline_load = OtherLoad().start()
     threads = ["main", "worker"] if args.offline_thread == "both" else [args.offline_thread]
     offline = run_offline(args.model, rounds, args.max_tokens, engine_args, threads)
     offline["other_load"] = offline_load.stop()
+    return offline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming requests (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed rounds on each side (default 2): tok/s is the best round's, latencies are pooled")
+    parser.add_argument("--cycles", type=int, default=3, help="server phase then offline phase, this many times (default 3): "
+                        "the machine's speed drifts over tens of seconds, and alternating lets it fall on both sides alike; "
+                        "each side's figure is the median of its cycles")
+    parser.add_argument("--health-timeout", type=float, default=180.0, help="seconds to wait for GET /health")
+    group = parser.add_argument_group("engine options (both sides; default: the engine's)")
+    for name, kind in ENGINE_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None)
+    parser.add_argument(
+        "--offline-thread", choices=["main", "worker", "both"], default="both",
+        help="where LLM.generate is called offline: the main thread (as a script does), a fresh worker thread "
+        "(as the server's engine loop runs), or both (default; the overhead is measured against the faster)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a machine-readable summary")
+    args = parser.parse_args()
+
+    engine_args = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    rounds = [prompts_for(r, args.clients) for r in range(args.repeat)]
+    say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+
+    servers, offlines = [], []
+    for cycle in range(args.cycles):
+        say(f"cycle {cycle + 1} of {args.cycles}", flush=True)
+        servers.append(server_phase(args, engine_args, rounds, say))
+        offlines.append(offline_phase(args, engine_args, rounds, say))
+    server, offline = servers[-1], offlines[-1]  # latencies and token counts: the last cycle's
+    server_cycles = [x["tok_per_s"] for x in servers]
+    offline_cycles = [x["tok_per_s"] for x in offlines]
+    server = {**server, "tok_per_s": statistics.median(server_cycles), "tok_per_s_cycles": server_cycles,
+              "other_load": max(x["other_load"] or 0.0 for x in servers)}
+    offline = {**offline, "tok_per_s": statistics.median(offline_cycles), "tok_per_s_cycles": offline_cycles,
+               "other_load": max(x["other_load"] or 0.0 for x in offlines)}
 
     ratio = server["tok_per_s"] / offline["tok_per_s"]
     overhead = 1 - ratio
     summary = {
-        "model": args.model, "clients": args.clients, "max_tokens": args.max_tokens, "repeat": args.repeat,
+        "model": args.model, "clients": args.clients, "max_tokens": args.max_tokens, "repeat": args.repeat, "cycles": args.cycles,
         "engine_args": engine_args, "threads": offline["torch_threads"], "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
         "server": server, "offline": offline, "server_over_offline": ratio, "overhead": overhead,
@@ -303,11 +328,14 @@ def main() -> None:
     print(f"  {'':<28} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>9} {'ITL p99':>9}")
     print(f"  {'server (HTTP, streaming)':<28} {server['tok_per_s']:8.1f} {server['ttft_p50_ms']:8.0f}ms {server['ttft_p99_ms']:8.0f}ms "
           f"{server['itl_p50_ms']:7.0f}ms {server['itl_p99_ms']:7.0f}ms")
+    print(f"  {'offline (median of cycles)':<28} {offline['tok_per_s']:8.1f} {'-':>10} {'-':>10} {'-':>9} {'-':>9}")
     for where, side in offline["threads"].items():
-        label = f"offline, {where} thread" + (" *" if where == offline["best"] and len(offline["threads"]) > 1 else "")
+        label = f"  last cycle, {where} thread" + (" *" if where == offline["best"] and len(offline["threads"]) > 1 else "")
         print(f"  {label:<28} {side['tok_per_s']:8.1f} {side['ttft_p50_ms']:8.0f}ms {side['ttft_p99_ms']:8.0f}ms {'-':>9} {'-':>9}")
     rounds_s = lambda side: ", ".join(f"{x:.1f}" for x in side["tok_per_s_rounds"])
-    print(f"  tok/s per round (best shown above): server {rounds_s(server)}; "
+    cycles_s = lambda side: ", ".join(f"{x:.1f}" for x in side["tok_per_s_cycles"])
+    print(f"  tok/s per cycle (server and offline rows show the median): server {cycles_s(server)}; offline {cycles_s(offline)}")
+    print(f"  last cycle's tok/s per round: server {rounds_s(server)}; "
           + "; ".join(f"offline {where} {rounds_s(side)}" for where, side in offline["threads"].items()))
     print(f"  server: {server['output_tokens']} tokens, {server['text_chunks_per_request_min']}-"
           f"{server['text_chunks_per_request_max']} text chunks per request; offline: "
