@@ -32,10 +32,16 @@ def tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
+@pytest.mark.in_process
+@pytest.mark.parametrize("name", ["lfu", "arc", "s3fifo"])
+def test_engine_runs_the_named_policy(llama, name):
+    llm = LLM(llama, eviction_policy=name, kv_cache_memory="64MiB", **TINY_POOL)
+    assert type(llm.engine.core.pool.policy.policy).__module__ == f"pyagent_eviction.{name}"  # behind the engine's guard
+
+
 @pytest.mark.parametrize("name", ["lfu", "arc", "s3fifo"])
 def test_engine_greedy_matches_transformers_under_evictions(llama, prompts, expected, name):
     llm = LLM(llama, eviction_policy=name, kv_cache_memory="64MiB", **TINY_POOL)
-    assert type(llm.engine.core.pool.policy.policy).__module__ == f"pyagent_eviction.{name}"  # behind the engine's guard
     # One request first, so the others find its prefix filed; then all together twice.
     assert tokens(llm, prompts[:1]) == expected[:1]
     assert tokens(llm, prompts) == expected

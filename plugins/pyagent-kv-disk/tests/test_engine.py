@@ -51,6 +51,7 @@ def test_a_second_engine_loads_from_the_directory(path, tmp_path):
         assert second.engine.stats()["kv_connector_loaded_blocks"] >= 11
 
 
+@pytest.mark.in_process
 def test_offload_brings_evicted_blocks_back(path, tmp_path):
     prompts = [_prompts(seed=s, n=1, prefix=40)[0] for s in range(6)]
     expected = [_tokens(_engine(path), [p])[0] for p in prompts]

@@ -72,6 +72,7 @@ def test_a_second_engine_process_loads_what_the_first_saved(path, redis_url):
     assert second["loaded"] >= 11  # the 45-token shared prefix is 11 blocks of 4
 
 
+@pytest.mark.in_process
 def test_redis_dying_mid_run_costs_misses_and_it_is_used_again_when_back(path, own_redis_server):
     server = own_redis_server
     llm = _engine(path, server.url)
@@ -101,6 +102,7 @@ def test_redis_dying_mid_run_costs_misses_and_it_is_used_again_when_back(path, o
     assert fresh.engine.stats()["kv_connector_loaded_blocks"] > 0  # and loading
 
 
+@pytest.mark.in_process
 def test_a_flipped_byte_in_redis_is_a_counted_miss(path, redis_server, redis_url):
     prompts = _prompts(seed=4)
     first = _engine(path, redis_url)
