@@ -4,6 +4,7 @@
 // token and runs on the calling thread.
 #include "decoder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -15,7 +16,7 @@ namespace {
 
 const std::string kAuto = "auto";
 
-void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, int threads) {
+void apply_part(const LinearPart& w, float* out, const float* x, int64_t M, int threads) {
   if (w.is_packed) {
     QuantLinearArgs a{};
     a.out = out;
@@ -38,6 +39,36 @@ void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, 
   }
 }
 
+void grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// out[M, N] = the layer of x. One part: its kernel writes out directly. Several: part p
+// owns columns [offset, offset + N_p) of each row; with one row of x those are
+// contiguous and the kernel writes them in place, with more the part's [M, N_p] goes
+// to a scratch and is copied into each row's slice (M * N floats, next to the
+// M * N * K multiply-adds).
+void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, int threads,
+                  std::vector<float>& scratch) {
+  if (w.parts.size() == 1) {
+    apply_part(w.parts[0], out, x, M, threads);
+    return;
+  }
+  int64_t offset = 0;
+  for (const LinearPart& p : w.parts) {
+    if (M == 1) {
+      apply_part(p, out + offset, x, M, threads);
+    } else {
+      grow(scratch, M * p.N);
+      apply_part(p, scratch.data(), x, M, threads);
+      for (int64_t m = 0; m < M; ++m) {
+        std::copy(scratch.data() + m * p.N, scratch.data() + (m + 1) * p.N, out + m * w.N + offset);
+      }
+    }
+    offset += p.N;
+  }
+}
+
 // out = x / sqrt(mean(x^2) + eps) * weight, over n values.
 void rms_norm(float* out, const float* x, const float* weight, int64_t n, float eps) {
   float sum = 0.0f;
@@ -54,10 +85,6 @@ void rope(float* head, const float* cos, const float* sin, int64_t d) {
     head[i] = a * cos[i] - b * sin[i];
     head[i + half] = b * cos[i] + a * sin[i];
   }
-}
-
-void grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
 }  // namespace
@@ -80,7 +107,7 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
     const LayerCache& c = caches[l];
     // attention block
     for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.input_norm, H, s.eps);
-    apply_linear(w.qkv, ws.qkv.data(), ws.h.data(), T, num_threads);
+    apply_linear(w.qkv, ws.qkv.data(), ws.h.data(), T, num_threads, ws.part);
     for (int64_t t = 0; t < T; ++t) {
       float* row = &ws.qkv[t * qkv_size];
       const float* cos = b.cos + t * (D / 2);
@@ -122,18 +149,18 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
     a.sliding_window = w.sliding_window;
     a.scale = s.scale;
     paged_decode_attention(a, num_threads, kAuto);
-    apply_linear(w.o, ws.tmp.data(), ws.attn.data(), T, num_threads);
+    apply_linear(w.o, ws.tmp.data(), ws.attn.data(), T, num_threads, ws.part);
     for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
     // MLP block
     for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.post_norm, H, s.eps);
-    apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads);
+    apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads, ws.part);
     for (int64_t t = 0; t < T; ++t) {
       const float* gate = &ws.gate_up[t * 2 * inter];
       const float* up = gate + inter;
       float* act = &ws.act[t * inter];
       for (int64_t i = 0; i < inter; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
-    apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads);
+    apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads, ws.part);
     for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
   }
 }

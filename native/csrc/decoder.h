@@ -11,13 +11,24 @@
 
 namespace pyagent {
 
-// A linear layer's weight: float32 [N, K], or packed (see QuantWeight); bias optional.
-struct LinearWeight {
+// One stored piece of a linear layer: float32 [N, K], or packed (see QuantWeight);
+// bias optional.
+struct LinearPart {
   const float* weight = nullptr;  // set when not packed
   QuantWeight packed{};
   bool is_packed = false;
   const float* bias = nullptr;
   bool int8_activations = false;  // see QuantLinearArgs
+  int64_t N = 0;
+  int64_t K = 0;
+};
+
+// A linear layer, out[M, N] = x[M, K] @ W^T (+ bias): usually one part; a weight whose
+// row ranges are stored in different encodings (llama.cpp's _M mixes keep a fused
+// q/k/v's v in more bits) is several, each computing its own output features, part p
+// the N_p after those of the parts before it. Every part has the layer's K.
+struct LinearWeight {
+  std::vector<LinearPart> parts;
   int64_t N = 0;
   int64_t K = 0;
 };
@@ -65,6 +76,7 @@ struct LayerCache {
 // Scratch reused across calls (grown on demand).
 struct DecoderWorkspace {
   std::vector<float> h, qkv, q, attn, tmp, gate_up, act;
+  std::vector<float> part;  // one part's [M, N_p] output, for a layer of several parts
 };
 
 // Runs every layer in order; throws std::out_of_range for a slot or block id outside

@@ -19,14 +19,13 @@ namespace {
 
 // `obj` as a T array of `shape` (-1: any size) through the shared checks.
 template <typename T>
-T* array_data(const py::handle& obj, const std::string& name, std::vector<py::ssize_t> shape, bool writable = false) {
+T* array_data(const py::handle& obj, const std::string& name, std::vector<py::ssize_t> shape, bool writable = false,
+              const std::string& what = "from the stack's shape and the batch") {
   if (!py::isinstance<py::array>(obj)) throw py::value_error(name + ": expected a numpy array");
   const py::array arr = py::reinterpret_borrow<py::array>(obj);
   T* data = const_cast<T*>(pyagent::bindings::checked<T>(arr, name, static_cast<py::ssize_t>(shape.size()), writable));
   for (size_t i = 0; i < shape.size(); ++i) {
-    if (shape[i] >= 0) {
-      pyagent::bindings::expect_dim(arr, name, static_cast<int>(i), shape[i], "from the stack's shape and the batch");
-    }
+    if (shape[i] >= 0) pyagent::bindings::expect_dim(arr, name, static_cast<int>(i), shape[i], what);
   }
   return data;
 }
@@ -117,36 +116,85 @@ class DecoderStack {
     return array_data<float>(obj, at + "." + key, {n});
   }
 
+  // The layer's linear `key`, N output features of K inputs: one operand ({"weight",
+  // "bias"} or {"data", "encoding", "group", "bias", "int8_activations"}), or
+  // {"parts": [operand, ...]} whose rows, in order, add up to N.
   pyagent::LinearWeight linear_weight(const py::dict& layer, const char* key, const std::string& at, int64_t N,
                                       int64_t K) {
     const std::string name = at + "." + key;
-    const py::dict op = layer[key].cast<py::dict>();
+    if (!layer.contains(key)) throw py::value_error(name + " is required");
+    const py::dict op = operand_dict(layer[key], name);
     pyagent::LinearWeight w{};
     w.N = N;
     w.K = K;
-    if (op.contains("bias") && !op["bias"].is_none()) {
-      keep_.push_back(op["bias"]);
-      w.bias = array_data<float>(op["bias"], name + ".bias", {N});
+    if (!op.contains("parts")) {
+      w.parts.push_back(linear_part(op, name, N, K));
+      return w;
     }
+    const py::object parts = op["parts"];
+    if (!py::isinstance<py::list>(parts) && !py::isinstance<py::tuple>(parts)) {
+      throw py::value_error(name + ".parts: expected a list of operands");
+    }
+    int64_t rows = 0;
+    std::string sizes;
+    const py::sequence seq = py::reinterpret_borrow<py::sequence>(parts);
+    for (size_t i = 0; i < seq.size(); ++i) {
+      const std::string part_name = name + ".parts[" + std::to_string(i) + "]";
+      w.parts.push_back(linear_part(operand_dict(seq[i], part_name), part_name, -1, K));
+      rows += w.parts.back().N;
+      sizes += (sizes.empty() ? "" : " + ") + std::to_string(w.parts.back().N);
+    }
+    if (w.parts.empty()) throw py::value_error(name + ".parts: expected at least one operand");
+    if (rows != N) {
+      throw py::value_error(name + ".parts: " + sizes + " = " + std::to_string(rows) + " rows, expected " +
+                            std::to_string(N) + " (the layer's output features, from the stack's shape)");
+    }
+    return w;
+  }
+
+  static py::dict operand_dict(const py::handle& obj, const std::string& name) {
+    if (!py::isinstance<py::dict>(obj)) {
+      throw py::value_error(name + ": expected a dict ({'weight', 'bias'}, {'data', 'encoding', 'group', 'bias'} "
+                            "or {'parts'}), got " + std::string(py::str(py::type::of(obj).attr("__name__"))));
+    }
+    return py::reinterpret_borrow<py::dict>(obj);
+  }
+
+  // One operand of K input features; N output features (-1: as many as it holds).
+  pyagent::LinearPart linear_part(const py::dict& op, const std::string& name, int64_t N, int64_t K) {
+    pyagent::LinearPart w{};
+    w.K = K;
     if (op.contains("weight")) {
       keep_.push_back(op["weight"]);
       w.weight = array_data<float>(op["weight"], name + ".weight", {N, K});
-      return w;
+      w.N = py::reinterpret_borrow<py::array>(op["weight"]).shape(0);
+    } else if (op.contains("data")) {
+      for (const char* required : {"encoding", "group"}) {
+        if (!op.contains(required)) throw py::value_error(name + "." + required + " is required with 'data'");
+      }
+      const std::string encoding = op["encoding"].cast<std::string>();
+      w.is_packed = true;
+      w.int8_activations = op.contains("int8_activations") && op["int8_activations"].cast<bool>();
+      w.packed.group = op["group"].cast<int64_t>();
+      w.packed.K = K;
+      try {
+        w.packed.encoding = pyagent::parse_quant_encoding(encoding);
+        w.packed.row_bytes = pyagent::checked_row_bytes(encoding, K, w.packed.group);
+      } catch (const std::invalid_argument& exc) {
+        throw py::value_error(name + ": " + exc.what());
+      }
+      keep_.push_back(op["data"]);
+      const std::string what = encoding + " rows of " + std::to_string(K) + " input features";
+      array_data<uint8_t>(op["data"], name + ".data", {-1, w.packed.row_bytes}, false, what);
+      w.packed.data = array_data<uint8_t>(op["data"], name + ".data", {N, w.packed.row_bytes});
+      w.N = w.packed.N = py::reinterpret_borrow<py::array>(op["data"]).shape(0);
+    } else {
+      throw py::value_error(name + ": expected 'weight' (float32) or 'data' (packed)");
     }
-    const std::string encoding = op["encoding"].cast<std::string>();
-    w.is_packed = true;
-    w.int8_activations = op.contains("int8_activations") && op["int8_activations"].cast<bool>();
-    w.packed.group = op["group"].cast<int64_t>();
-    w.packed.N = N;
-    w.packed.K = K;
-    try {
-      w.packed.encoding = pyagent::parse_quant_encoding(encoding);
-      w.packed.row_bytes = pyagent::checked_row_bytes(encoding, K, w.packed.group);
-    } catch (const std::invalid_argument& exc) {
-      throw py::value_error(name + ": " + exc.what());
+    if (op.contains("bias") && !op["bias"].is_none()) {
+      keep_.push_back(op["bias"]);
+      w.bias = array_data<float>(op["bias"], name + ".bias", {w.N});
     }
-    keep_.push_back(op["data"]);
-    w.packed.data = array_data<uint8_t>(op["data"], name + ".data", {N, w.packed.row_bytes});
     return w;
   }
 

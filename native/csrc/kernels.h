@@ -45,10 +45,10 @@ struct LinearArgs {
 
 // A quantized weight: N rows (output features) of K inputs, row n at
 // data + n * row_bytes, each row encoded on its own as consecutive blocks (layouts in
-// quant.cpp). Q8_0, Q4_0, Q4_1 and Q6_K are GGUF's (K a multiple of their block); I8
-// is one f32 scale per row, I4 is Q4_1 with `group` elements per block and a padded
-// last block (any K).
-enum class QuantEncoding : int { Q8_0, Q4_0, Q4_1, Q6_K, I8, I4 };
+// quant.cpp). Q8_0 ... IQ4_NL are GGUF's (K a multiple of their block: 32, or 256 for
+// the K-quants Q2_K ... Q6_K); I8 is one f32 scale per row, I4 is Q4_1 with `group`
+// elements per block and a padded last block (any K).
+enum class QuantEncoding : int { Q8_0, Q4_0, Q4_1, Q6_K, I8, I4, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K };
 
 struct QuantWeight {
   const uint8_t* data;
@@ -62,6 +62,10 @@ struct QuantWeight {
 // Elements per block (I8: a row is one block of K); bytes per block; bytes per row.
 static inline int64_t quant_block_size(QuantEncoding e, int64_t group, int64_t K) {
   switch (e) {
+    case QuantEncoding::Q2_K:
+    case QuantEncoding::Q3_K:
+    case QuantEncoding::Q4_K:
+    case QuantEncoding::Q5_K:
     case QuantEncoding::Q6_K: return 256;
     case QuantEncoding::I8: return K;
     case QuantEncoding::I4: return group;
@@ -73,6 +77,13 @@ static inline int64_t quant_block_bytes(QuantEncoding e, int64_t group, int64_t 
     case QuantEncoding::Q8_0: return 2 + 32;
     case QuantEncoding::Q4_0: return 2 + 16;
     case QuantEncoding::Q4_1: return 4 + 16;
+    case QuantEncoding::Q5_0: return 2 + 4 + 16;
+    case QuantEncoding::Q5_1: return 4 + 4 + 16;
+    case QuantEncoding::IQ4_NL: return 2 + 16;
+    case QuantEncoding::Q2_K: return 16 + 64 + 4;
+    case QuantEncoding::Q3_K: return 32 + 64 + 12 + 2;
+    case QuantEncoding::Q4_K: return 4 + 12 + 128;
+    case QuantEncoding::Q5_K: return 4 + 12 + 32 + 128;
     case QuantEncoding::Q6_K: return 128 + 64 + 16 + 2;
     case QuantEncoding::I8: return 4 + K;
     case QuantEncoding::I4: return 4 + group / 2;

@@ -193,8 +193,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
   m.def("quant_row_bytes", &quant_row_bytes, py::arg("encoding"), py::arg("K"), py::arg("group") = 0,
-        "Bytes per row of a weight of K input features in `encoding` ('Q8_0', 'Q4_0', 'Q4_1', 'Q6_K', 'I8' or "
-        "'I4'; group: I4's 32, 64 or 128).");
+        "Bytes per row of a weight of K input features in `encoding` (GGUF's 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', "
+        "'Q5_1', 'IQ4_NL', 'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K'; 'I8' or 'I4'; group: I4's 32, 64 or 128).");
   m.def("dequantize", &dequantize, py::arg("out"), py::arg("data"), py::arg("encoding"), py::arg("group") = 0,
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out[N, K] (float32) = the uint8 [N, row bytes] weight in `encoding`, dequantized exactly (GGUF encodings: "

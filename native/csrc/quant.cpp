@@ -1,32 +1,57 @@
 // Quantized linear weights for CPU decode: exact dequantizers, and a matmul that reads
 // the packed weight directly.
 //
-// Row layouts (little-endian; f16 is IEEE half; lo/hi are a byte's low/high nibble):
-//   Q8_0  blocks of 32:  [f16 d][int8 q x32]            w[i] = d * q[i]
-//   Q4_0  blocks of 32:  [f16 d][u8 qs x16]             w[j] = d * (lo(qs[j]) - 8), w[j+16] = d * (hi(qs[j]) - 8)
-//   Q4_1  blocks of 32:  [f16 d][f16 m][u8 qs x16]      w[j] = d * lo(qs[j]) + m,   w[j+16] = d * hi(qs[j]) + m
-//   I4/g  blocks of g:   Q4_1 with g/2 code bytes (w[j], w[j+g/2]); the last block is
-//                        stored whole and its elements from K on are padding
-//   Q6_K  blocks of 256: [u8 ql x128][u8 qh x64][int8 sc x16][f16 d]; element
-//                        e = 32 * (4h + j) + l (h < 2, j < 4, l < 32) has the 6-bit code
-//                        c = (ql[64h + 32(j&1) + l] >> 4(j>>1)) & 15 | ((qh[32h + l] >> 2j) & 3) << 4
-//                        and w[e] = (d * sc[e / 16]) * (c - 32)
-//   I8    one per row:   [f32 scale][int8 q xK]         w[k] = scale * q[k]
+// Row layouts (little-endian; f16 is IEEE half; lo/hi are a byte's low/high nibble;
+// the numpy dequantizers of the gguf package are the reference for every GGUF one):
+//   Q8_0   blocks of 32:  [f16 d][int8 q x32]            w[i] = d * q[i]
+//   Q4_0   blocks of 32:  [f16 d][u8 qs x16]             w[j] = d * (lo(qs[j]) - 8), w[j+16] = d * (hi(qs[j]) - 8)
+//   Q4_1   blocks of 32:  [f16 d][f16 m][u8 qs x16]      w[j] = d * lo(qs[j]) + m,   w[j+16] = d * hi(qs[j]) + m
+//   Q5_0   blocks of 32:  [f16 d][u32 qh][u8 qs x16]     code c[j] = lo(qs[j]) | bit j of qh << 4,
+//                         c[j+16] = hi(qs[j]) | bit j+16 of qh << 4; w[i] = d * (c[i] - 16)
+//   Q5_1   blocks of 32:  [f16 d][f16 m][u32 qh][u8 qs x16]  codes as Q5_0; w[i] = d * c[i] + m
+//   IQ4_NL blocks of 32:  [f16 d][u8 qs x16]             w[j] = d * kv[lo(qs[j])], w[j+16] = d * kv[hi(qs[j])],
+//                         kv the 16 values of kIQ4NLValues
+//   I4/g   blocks of g:   Q4_1 with g/2 code bytes (w[j], w[j+g/2]); the last block is
+//                         stored whole and its elements from K on are padding
+//   Q2_K   blocks of 256: [u8 sc x16][u8 qs x64][f16 d][f16 dmin]; element
+//                         e = 128h + 32s + l (h < 2, s < 4, l < 32) has the code
+//                         c = (qs[32h + l] >> 2s) & 3 in sub-block j = e / 16, and
+//                         w[e] = (d * lo(sc[j])) * c - dmin * hi(sc[j])
+//   Q3_K   blocks of 256: [u8 hmask x32][u8 qs x64][u8 scales x12][f16 d]; element e as
+//                         Q2_K's, its code the 2-bit one less 4 unless bit 4h + s of
+//                         hmask[l] is set; w[e] = (d * (scale[e / 16] - 32)) * code, the
+//                         sixteen 6-bit scales packed as q3_scales_raw reads them
+//   Q4_K   blocks of 256: [f16 d][f16 dmin][u8 scales x12][u8 qs x128]; sub-block
+//                         j = 2c + t (c < 4, t < 2) is elements 32j + l (l < 32) with the code
+//                         (qs[32c + l] >> 4t) & 15, and w = (d * sc[j]) * code - dmin * mn[j],
+//                         eight 6-bit scales sc and mins mn packed as k_scale_min reads them
+//   Q5_K   blocks of 256: [f16 d][f16 dmin][u8 scales x12][u8 qh x32][u8 qs x128]; as Q4_K,
+//                         with bit j of qh[l] as the code's bit 4
+//   Q6_K   blocks of 256: [u8 ql x128][u8 qh x64][int8 sc x16][f16 d]; element
+//                         e = 32 * (4h + j) + l (h < 2, j < 4, l < 32) has the 6-bit code
+//                         c = (ql[64h + 32(j&1) + l] >> 4(j>>1)) & 15 | ((qh[32h + l] >> 2j) & 3) << 4
+//                         and w[e] = (d * sc[e / 16]) * (c - 32)
+//   I8     one per row:   [f32 scale][int8 q xK]         w[k] = scale * q[k]
 //
 // Dequantizing reproduces the gguf package's numpy code bit for bit: the same float32
-// operations in the same order (d * q then + m; (d * sc) * q). CMake compiles this file
-// with -ffp-contract=off so the AVX2+FMA build cannot fuse a multiply and an add (the
-// products here are exact, an 11-bit half times a code of at most 8 bits, so a fused
-// result would agree anyway; the flag keeps that from being a coincidence).
+// operations in the same order (d * q then + m; (d * sc) * q; (d * sc) * q - dmin * m).
+// CMake compiles this file with -ffp-contract=off so the AVX2+FMA build cannot fuse a
+// multiply and an add (the products here are exact, at most an 11-bit half times a
+// 6-bit scale times a code of at most 8 bits, so a fused result would agree anyway; the
+// flag keeps that from being a coincidence).
 //
-// The matmul of one row of x (decode) never forms the float weights. Per block it sums
-// code * x in vector lanes and folds the scale in with one FMA; the offset m of Q4_1/I4
-// (and Q4_0's -8) multiplies the block's sum of x, computed once per call and shared by
-// every output row. Four output rows go together, so each block of x is loaded once for
-// four rows and four accumulator chains run side by side; the next four rows are
-// prefetched meanwhile. With more rows of x, each four-row tile is dequantized exactly
-// into an L1 scratch once and the rows of x are applied to it two at a time (dot4x2).
-// Everything is float32: x is never quantized.
+// The matmul of one row of x (decode) never forms the float weights. Per block (or
+// sub-block: 16 or 32 elements of a K-quant) it sums code * x in vector lanes and folds
+// the scale in with one FMA; the offsets (m of Q4_1/Q5_1/I4, Q4_0's -8, the K-quants'
+// dmin * mn) multiply the (sub-)block's sum of x, computed once per call and shared by
+// every output row. Codes are built either 8 at a time in int32 lanes from bytes or 32
+// at a time in byte lanes and then widened (the cheaper per encoding; see fused_32 and
+// q45_chunk). Four output rows go together: Q4_0/Q4_1/Q8_0/I4/I8 load each block of x
+// once for the four rows and run four accumulator chains side by side; the others go
+// row by row with x in L1. The next four rows are prefetched meanwhile. With more rows
+// of x, each four-row tile is dequantized exactly into an L1 scratch once and the rows
+// of x are applied to it two at a time (dot4x2). Everything is float32: x is never
+// quantized.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -50,6 +75,10 @@ namespace PYAGENT_ISA {
 namespace {
 
 inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+inline uint32_t load_u32(const uint8_t* p) {
+  return p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
 
 inline float load_f32(const uint8_t* p) {
   const uint32_t bits = p[0] | (p[1] << 8) | (p[2] << 16) | (static_cast<uint32_t>(p[3]) << 24);
@@ -91,6 +120,38 @@ inline void prefetch_rows(const QuantWeight& w, int64_t first, int64_t last, int
 
 // ---------------------------------------------------------------------------------
 // Exact dequantization of one block into dst (the reference's float32 operations).
+
+// IQ4_NL's 16 code values (gguf's IQ4_NL.kvalues).
+alignas(16) constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                 1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 8 six-bit scales and 8 six-bit mins of a Q4_K / Q5_K block from its 12 packed
+// bytes s (gguf's Q4_K.get_scale_min): bytes 0-3 hold scales 0-3 in their low six
+// bits, 4-7 mins 0-3; scales and mins 4-7 take their low four bits from bytes 8-11
+// (scale: low nibble, min: high nibble) and their top two from the top two bits of
+// bytes 0-3 (scales) and 4-7 (mins). Done on 32-bit words, four bytes at a time
+// (shifting a word lets bits cross from the next byte; the masks drop them).
+inline void k_scale_min(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  const uint32_t w0 = load_u32(s), w1 = load_u32(s + 4), w2 = load_u32(s + 8);
+  const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u);
+  const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u);
+  sc = sc_lo | static_cast<uint64_t>(sc_hi) << 32;  // byte j: scale j (little-endian)
+  mn = mn_lo | static_cast<uint64_t>(mn_hi) << 32;
+}
+
+// The 16 six-bit scales of a Q3_K block (before gguf's "- 32") from its 12 packed
+// bytes: scale i has low nibble i < 8 ? lo(s[i]) : hi(s[i - 8]) and top two bits
+// (s[8 + i % 4] >> 2 (i / 4)) & 3. lo/hi: bytes 0-7 and 8-15 of the result.
+inline void q3_scales_raw(const uint8_t* s, uint64_t& lo, uint64_t& hi) {
+  const uint32_t w0 = load_u32(s), w1 = load_u32(s + 4), w2 = load_u32(s + 8);
+  const uint32_t a = (w0 & 0x0f0f0f0fu) | ((w2 & 0x03030303u) << 4);
+  const uint32_t b = (w1 & 0x0f0f0f0fu) | (((w2 >> 2) & 0x03030303u) << 4);
+  const uint32_t c = ((w0 >> 4) & 0x0f0f0f0fu) | (((w2 >> 4) & 0x03030303u) << 4);
+  const uint32_t d = ((w1 >> 4) & 0x0f0f0f0fu) | (((w2 >> 6) & 0x03030303u) << 4);
+  lo = a | static_cast<uint64_t>(b) << 32;
+  hi = c | static_cast<uint64_t>(d) << 32;
+}
 
 #if PYAGENT_QUANT_SIMD
 
@@ -186,6 +247,185 @@ void decode_q6_k(const uint8_t* blk, float* dst) {
   }
 }
 
+// The 32 nibbles of 16 bytes as bytes in element order: the low nibbles (elements
+// 0-15) in the lower 128-bit lane, the high ones (16-31) in the upper. (A broadcast
+// load and a per-lane shift: no cross-lane shuffle.)
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+}
+
+// 32 int8 lanes as four vectors of 8 floats, in order, through a 32-byte buffer: the
+// sign-extending loads cost one shuffle-port operation each where widening in
+// registers (widen_i8x32) takes seven for the four; the loads are forwarded from the
+// store.
+inline void widen_i8x32_via(__m256i q, int8_t* buf, __m256 f[4]) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(buf), q);
+  // Opaque to the compiler, which would otherwise forward the store in registers.
+  asm("" : "+m"(*reinterpret_cast<int8_t(*)[32]>(buf)));
+  for (int c = 0; c < 4; ++c) f[c] = to_float(load_i8x8(reinterpret_cast<const uint8_t*>(buf) + 8 * c));
+}
+
+// Byte e = 0xff where bit e of `bits` is set, else 0.
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// The 32 codes of a Q5_0 block minus 16, as int8 lanes: a clear high bit makes the
+// nibble n into n - 16, which is n | 0xf0 in two's complement.
+inline __m256i q5_0_codes(const uint8_t* blk) {
+  const __m256i high = bits_to_bytes(load_u32(blk + 2));
+  return _mm256_or_si256(nibbles32(blk + 6), _mm256_andnot_si256(high, _mm256_set1_epi8(static_cast<char>(0xf0))));
+}
+
+// The 32 codes (0-31) of a Q5_1 block as int8 lanes.
+inline __m256i q5_1_codes(const uint8_t* blk) {
+  const __m256i high = bits_to_bytes(load_u32(blk + 4));
+  return _mm256_or_si256(nibbles32(blk + 8), _mm256_and_si256(high, _mm256_set1_epi8(0x10)));
+}
+
+// The 32 values kvalues[nibble] of an IQ4_NL block as int8 lanes.
+inline __m256i iq4_nl_values(const uint8_t* blk) {
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4NLValues)));
+  return _mm256_shuffle_epi8(table, nibbles32(blk + 2));
+}
+
+void decode_q5_0(const uint8_t* blk, float* dst) {
+  const __m256 d = _mm256_set1_ps(load_f16(blk));
+  __m256 f[4];
+  widen_i8x32(q5_0_codes(blk), f);
+  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(d, f[c]));
+}
+
+void decode_q5_1(const uint8_t* blk, float* dst) {
+  const __m256 d = _mm256_set1_ps(load_f16(blk)), m = _mm256_set1_ps(load_f16(blk + 2));
+  __m256 f[4];
+  widen_i8x32(q5_1_codes(blk), f);
+  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_add_ps(_mm256_mul_ps(d, f[c]), m));
+}
+
+void decode_iq4_nl(const uint8_t* blk, float* dst) {
+  const __m256 d = _mm256_set1_ps(load_f16(blk));
+  __m256 f[4];
+  widen_i8x32(iq4_nl_values(blk), f);
+  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(d, f[c]));
+}
+
+// Q4_K / Q5_K: ds = d * sc[j], dm = dmin * m[j] for the block's 8 sub-blocks.
+inline void k_scales(const uint8_t* blk, __m256& ds, __m256& dm) {
+  uint64_t sc, mn;
+  k_scale_min(blk + 4, sc, mn);
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(load_u32(blk))));  // [d, dmin, 0, 0]
+  ds = _mm256_mul_ps(_mm256_broadcastss_ps(dd), to_float(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc)))));
+  dm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+                     to_float(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn)))));
+}
+
+// Bit J of each int32 lane moved to bit Pos, the rest cleared.
+template <int J, int Pos>
+inline __m256i bit_to(__m256i v) {
+  const __m256i moved = J < Pos ? _mm256_slli_epi32(v, Pos - J) : J > Pos ? _mm256_srli_epi32(v, J - Pos) : v;
+  return _mm256_and_si256(moved, _mm256_set1_epi32(1 << Pos));
+}
+
+// Q4_K (kQ5 false) / Q5_K: sub-block j = 2c + t is the low (t = 0) or high nibbles of
+// qs[32c .. 32c + 32), with Q5_K's bit j of qh[0 .. 32) as bit 4.
+template <bool kQ5>
+void decode_q45_k(const uint8_t* blk, float* dst) {
+  alignas(32) float ds[8], dm[8];
+  __m256 dsv, dmv;
+  k_scales(blk, dsv, dmv);
+  _mm256_store_ps(ds, dsv);
+  _mm256_store_ps(dm, dmv);
+  const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int c = 0; c < 4; ++c) {
+    const __m256 s0 = _mm256_broadcast_ss(ds + 2 * c), m0 = _mm256_broadcast_ss(dm + 2 * c);
+    const __m256 s1 = _mm256_broadcast_ss(ds + 2 * c + 1), m1 = _mm256_broadcast_ss(dm + 2 * c + 1);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load_u8x8(qs + 32 * c + 8 * i);
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi32(v, 4);
+      if (kQ5) {
+        const __m256i h = _mm256_srlv_epi32(load_u8x8(blk + 16 + 8 * i), _mm256_set1_epi32(2 * c));
+        lo = _mm256_or_si256(lo, bit_to<0, 4>(h));
+        hi = _mm256_or_si256(hi, bit_to<1, 4>(h));
+      }
+      _mm256_storeu_ps(dst + 64 * c + 8 * i, _mm256_sub_ps(_mm256_mul_ps(s0, to_float(lo)), m0));
+      _mm256_storeu_ps(dst + 64 * c + 32 + 8 * i, _mm256_sub_ps(_mm256_mul_ps(s1, to_float(hi)), m1));
+    }
+  }
+}
+
+// Q2_K: dl = d * (scales[j] & 15) into dl[16], ml = dmin * (scales[j] >> 4) for its 16
+// sub-blocks (ml0: 0-7, ml1: 8-15).
+inline void q2_scales(const uint8_t* blk, float* dl, __m256& ml0, __m256& ml1) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i low = _mm_and_si128(sc, _mm_set1_epi8(0x0f));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0x0f));
+  const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(load_u32(blk + 80))));
+  const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+  _mm256_store_ps(dl, _mm256_mul_ps(d, to_float(_mm256_cvtepu8_epi32(low))));
+  _mm256_store_ps(dl + 8, _mm256_mul_ps(d, to_float(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)))));
+  ml0 = _mm256_mul_ps(dmin, to_float(_mm256_cvtepu8_epi32(high)));
+  ml1 = _mm256_mul_ps(dmin, to_float(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8))));
+}
+
+// Q2_K element 128h + 32s + l is (qs[32h + l] >> 2s) & 3, in sub-block 8h + 2s + l / 16.
+void decode_q2_k(const uint8_t* blk, float* dst) {
+  alignas(32) float dl[16], ml[16];
+  __m256 ml0, ml1;
+  q2_scales(blk, dl, ml0, ml1);
+  _mm256_store_ps(ml, ml0);
+  _mm256_store_ps(ml + 8, ml1);
+  const __m256i three = _mm256_set1_epi32(3);
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load_u8x8(blk + 16 + 32 * h + 8 * i);
+      for (int s = 0; s < 4; ++s) {
+        const int j = 8 * h + 2 * s + i / 2;
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(2 * s)), three);
+        const __m256 w = _mm256_sub_ps(_mm256_mul_ps(_mm256_broadcast_ss(dl + j), to_float(q)), _mm256_broadcast_ss(ml + j));
+        _mm256_storeu_ps(dst + 128 * h + 32 * s + 8 * i, w);
+      }
+    }
+  }
+}
+
+// Q3_K: dl = d * (scale - 32) for its 16 sub-blocks.
+inline void q3_scales(const uint8_t* blk, float* dl) {
+  uint64_t lo, hi;
+  q3_scales_raw(blk + 96, lo, hi);
+  const __m128i sc = _mm_sub_epi8(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)), _mm_set1_epi8(32));
+  const __m256 d = _mm256_set1_ps(load_f16(blk + 108));
+  _mm256_store_ps(dl, _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(sc))));
+  _mm256_store_ps(dl + 8, _mm256_mul_ps(d, to_float(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+}
+
+// Q3_K element 128h + 32s + l has the code (qs[32h + l] >> 2s) & 3, less 4 unless bit
+// 4h + s of hmask[l] is set; it is in sub-block 8h + 2s + l / 16.
+void decode_q3_k(const uint8_t* blk, float* dst) {
+  alignas(32) float dl[16];
+  q3_scales(blk, dl);
+  const __m256i three = _mm256_set1_epi32(3), four = _mm256_set1_epi32(4);
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load_u8x8(blk + 32 + 32 * h + 8 * i);
+      const __m256i hm = load_u8x8(blk + 8 * i);
+      for (int s = 0; s < 4; ++s) {
+        const int j = 8 * h + 2 * s + i / 2;
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(2 * s)), three);
+        const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(hm, _mm256_set1_epi32(4 * h + s)), _mm256_set1_epi32(1));
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hb, 2)), four);
+        _mm256_storeu_ps(dst + 128 * h + 32 * s + 8 * i, _mm256_mul_ps(_mm256_broadcast_ss(dl + j), to_float(q)));
+      }
+    }
+  }
+}
+
 void decode_i8(const uint8_t* row, int64_t K, float* dst) {
   const float scale = load_f32(row);
   const __m256 s = _mm256_set1_ps(scale);
@@ -239,6 +479,88 @@ void decode_q6_k(const uint8_t* blk, float* dst) {
   }
 }
 
+void decode_q5_0(const uint8_t* blk, float* dst) {
+  const float d = load_f16(blk);
+  const uint32_t qh = load_u32(blk + 2);
+  const uint8_t* qs = blk + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (qs[j] & 15) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+    dst[j] = d * static_cast<float>(lo - 16);
+    dst[j + 16] = d * static_cast<float>(hi - 16);
+  }
+}
+
+void decode_q5_1(const uint8_t* blk, float* dst) {
+  const float d = load_f16(blk), m = load_f16(blk + 2);
+  const uint32_t qh = load_u32(blk + 4);
+  const uint8_t* qs = blk + 8;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (qs[j] & 15) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+    dst[j] = d * static_cast<float>(lo) + m;
+    dst[j + 16] = d * static_cast<float>(hi) + m;
+  }
+}
+
+void decode_iq4_nl(const uint8_t* blk, float* dst) {
+  const float d = load_f16(blk);
+  const uint8_t* qs = blk + 2;
+  for (int j = 0; j < 16; ++j) {
+    dst[j] = d * static_cast<float>(kIQ4NLValues[qs[j] & 15]);
+    dst[j + 16] = d * static_cast<float>(kIQ4NLValues[qs[j] >> 4]);
+  }
+}
+
+// Q4_K / Q5_K (layouts at the top).
+template <bool kQ5>
+void decode_q45_k(const uint8_t* blk, float* dst) {
+  const float d = load_f16(blk), dmin = load_f16(blk + 2);
+  uint64_t sc, mn;
+  k_scale_min(blk + 4, sc, mn);
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    const float dl = d * static_cast<float>((sc >> (8 * j)) & 0xff);
+    const float ml = dmin * static_cast<float>((mn >> (8 * j)) & 0xff);
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+      if (kQ5) q |= ((qh[l] >> j) & 1) << 4;
+      dst[32 * j + l] = dl * static_cast<float>(q) - ml;
+    }
+  }
+}
+
+void decode_q2_k(const uint8_t* blk, float* dst) {
+  const uint8_t* scales = blk;
+  const uint8_t* qs = blk + 16;
+  const float d = load_f16(blk + 80), dmin = load_f16(blk + 82);
+  for (int j = 0; j < 16; ++j) {  // sub-block j = 8h + 2s + t: elements 128h + 32s + 16t + l
+    const int h = j / 8, s = (j / 2) % 4, t = j % 2;
+    const float dl = d * static_cast<float>(scales[j] & 15), ml = dmin * static_cast<float>(scales[j] >> 4);
+    for (int l = 0; l < 16; ++l) {
+      const int q = (qs[32 * h + 16 * t + l] >> (2 * s)) & 3;
+      dst[16 * j + l] = dl * static_cast<float>(q) - ml;
+    }
+  }
+}
+
+void decode_q3_k(const uint8_t* blk, float* dst) {
+  const uint8_t* hmask = blk;
+  const uint8_t* qs = blk + 32;
+  const float d = load_f16(blk + 108);
+  uint64_t lo, hi;
+  q3_scales_raw(blk + 96, lo, hi);
+  for (int j = 0; j < 16; ++j) {  // as Q2_K's; the high bit is bit 4h + s of hmask[16t + l]
+    const int h = j / 8, s = (j / 2) % 4, t = j % 2;
+    const int raw = static_cast<int>(((j < 8 ? lo : hi) >> (8 * (j % 8))) & 0xff);
+    const float dl = d * static_cast<float>(raw - 32);
+    for (int l = 0; l < 16; ++l) {
+      const int ll = 16 * t + l;
+      const int q = ((qs[32 * h + ll] >> (2 * s)) & 3) - (((hmask[ll] >> (4 * h + s)) & 1) ? 0 : 4);
+      dst[16 * j + l] = dl * static_cast<float>(q);
+    }
+  }
+}
+
 void decode_i8(const uint8_t* row, int64_t K, float* dst) {
   const float scale = load_f32(row);
   for (int64_t k = 0; k < K; ++k) dst[k] = scale * static_cast<float>(static_cast<int8_t>(row[4 + k]));
@@ -264,6 +586,13 @@ void decode_row(const QuantWeight& w, const uint8_t* row, float* dst) {
     case QuantEncoding::Q8_0: decode_blocks<32, 34, decode_q8_0>(row, w.K, dst); break;
     case QuantEncoding::Q4_0: decode_blocks<32, 18, decode_q4_0>(row, w.K, dst); break;
     case QuantEncoding::Q4_1: decode_blocks<32, 20, decode_q4_1<32>>(row, w.K, dst); break;
+    case QuantEncoding::Q5_0: decode_blocks<32, 22, decode_q5_0>(row, w.K, dst); break;
+    case QuantEncoding::Q5_1: decode_blocks<32, 24, decode_q5_1>(row, w.K, dst); break;
+    case QuantEncoding::IQ4_NL: decode_blocks<32, 18, decode_iq4_nl>(row, w.K, dst); break;
+    case QuantEncoding::Q2_K: decode_blocks<256, 84, decode_q2_k>(row, w.K, dst); break;
+    case QuantEncoding::Q3_K: decode_blocks<256, 110, decode_q3_k>(row, w.K, dst); break;
+    case QuantEncoding::Q4_K: decode_blocks<256, 144, decode_q45_k<false>>(row, w.K, dst); break;
+    case QuantEncoding::Q5_K: decode_blocks<256, 176, decode_q45_k<true>>(row, w.K, dst); break;
     case QuantEncoding::Q6_K: decode_blocks<256, 210, decode_q6_k>(row, w.K, dst); break;
     case QuantEncoding::I8: decode_i8(row, w.K, dst); break;
     case QuantEncoding::I4:
@@ -547,6 +876,201 @@ bool quantize_x_q8(const float* x, int64_t nb, int8_t* xq, float* xd) {
   return true;
 }
 
+// Sums of x over each `width` elements (the sub-blocks of Q4_K, Q5_K and Q2_K).
+void sub_sums(const float* x, int64_t count, int64_t width, float* sums) {
+  for (int64_t j = 0; j < count; ++j) {
+    __m256 s = _mm256_loadu_ps(x + j * width);
+    for (int64_t i = 8; i < width; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + j * width + i));
+    sums[j] = hsum(s);
+  }
+}
+
+// Q5_0, Q5_1 and IQ4_NL: blocks of 32 whose codes are built as 32 bytes at once, then
+// widened to floats. Q5_0's codes less 16 and IQ4_NL's values are signed, so their
+// blocks contribute d * sum(value * x); Q5_1's d * sum(code * x) + m * S_b, as Q4_1.
+enum class Kind32 { Q5_0, Q5_1, IQ4_NL };
+
+template <int R, Kind32 kKind>
+void fused_32(const uint8_t* rows, int64_t row_bytes, int64_t nb, const float* x, const float* sums, float* dst) {
+  constexpr bool kMin = kKind == Kind32::Q5_1;
+  constexpr int64_t kBytes = kKind == Kind32::Q5_0 ? 22 : kKind == Kind32::Q5_1 ? 24 : 18;
+  alignas(32) int8_t buf[32];
+  // Row by row, as fused_q6_k (x block-outer, the compiler keeps x in registers for the
+  // R rows and spills the accumulators instead).
+  for (int r = 0; r < R; ++r) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 off = _mm_setzero_ps();  // Q5_1, lane 1: sum of m * S_b
+    const uint8_t* row = rows + r * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + 32 * b;
+      const uint8_t* blk = row + b * kBytes;
+      int32_t scales = 0;
+      std::memcpy(&scales, blk, kMin ? 4 : 2);
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));  // [d, m or 0, 0, 0]
+      if (kMin) off = _mm_fmadd_ps(dm, _mm_loadu_ps(sums + 4 * b), off);
+      const __m256i codes = kKind == Kind32::Q5_0 ? q5_0_codes(blk) : kKind == Kind32::Q5_1 ? q5_1_codes(blk)
+                                                                                           : iq4_nl_values(blk);
+      __m256 f[4];
+      widen_i8x32_via(codes, buf, f);
+      const __m256 s0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+      const __m256 s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+      const __m256 d = _mm256_broadcastss_ps(dm);
+      acc0 = _mm256_fmadd_ps(s0, d, acc0);
+      acc1 = _mm256_fmadd_ps(s1, d, acc1);
+    }
+    const float sum = hsum(_mm256_add_ps(acc0, acc1));
+    dst[r] = kMin ? sum + lane1(off) : sum;
+  }
+}
+
+// Bit J of each byte moved to bit Pos, the rest cleared (shifts of 16-bit lanes: bits
+// crossing from the neighbouring byte are masked off).
+template <int J, int Pos>
+inline __m256i byte_bit_to(__m256i v) {
+  const __m256i moved = J < Pos ? _mm256_slli_epi16(v, Pos - J) : J > Pos ? _mm256_srli_epi16(v, J - Pos) : v;
+  return _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << Pos)));
+}
+
+// Q4_K / Q5_K: sub-block j (32 elements) contributes (d sc_j) * sum(code * x) -
+// (dmin m_j) * S_j; the 8 mins of a block meet the 8 sums S_j of x in one FMA.
+// Q4_K takes its codes 8 at a time from bytes into int32 lanes (a byte gives two: its
+// nibbles are in sub-blocks 2c and 2c + 1). Q5_K builds the 64 codes of a 32-byte chunk
+// of qs as bytes (nibble | bit j of qh[0 .. 32) as bit 4), then widens them through a
+// buffer: the fifth bit costs a few byte operations per 32 codes where int32 lanes
+// would take three per 8. One chunk C: sub-blocks 2C and 2C + 1.
+template <int C, bool kQ5>
+inline void q45_chunk(const uint8_t* qs, __m256i qh, uint8_t* buf, const float* xb, const float* ds, __m256& acc0,
+                      __m256& acc1) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  if (kQ5) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * C));
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, nib), byte_bit_to<2 * C, 4>(qh));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), nib), byte_bit_to<2 * C + 1, 4>(qh));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 32), hi);
+    asm("" : "+m"(*reinterpret_cast<uint8_t(*)[64]>(buf)));  // keep the loads below (see widen_i8x32_via)
+    for (int i = 0; i < 4; ++i) {
+      s0 = _mm256_fmadd_ps(to_float(load_u8x8(buf + 8 * i)), _mm256_loadu_ps(xb + 64 * C + 8 * i), s0);
+      s1 = _mm256_fmadd_ps(to_float(load_u8x8(buf + 32 + 8 * i)), _mm256_loadu_ps(xb + 64 * C + 32 + 8 * i), s1);
+    }
+  } else {
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load_u8x8(qs + 32 * C + 8 * i);
+      s0 = _mm256_fmadd_ps(to_float(_mm256_and_si256(v, low)), _mm256_loadu_ps(xb + 64 * C + 8 * i), s0);
+      s1 = _mm256_fmadd_ps(to_float(_mm256_srli_epi32(v, 4)), _mm256_loadu_ps(xb + 64 * C + 32 + 8 * i), s1);
+    }
+  }
+  acc0 = _mm256_fmadd_ps(s0, _mm256_broadcast_ss(ds + 2 * C), acc0);
+  acc1 = _mm256_fmadd_ps(s1, _mm256_broadcast_ss(ds + 2 * C + 1), acc1);
+}
+
+template <int R, bool kQ5>
+void fused_q45_k(const uint8_t* rows, int64_t row_bytes, int64_t nb, const float* x, const float* sums, float* dst) {
+  constexpr int64_t kBytes = kQ5 ? 176 : 144;
+  alignas(32) float ds[8];
+  alignas(32) uint8_t buf[64];
+  // Row by row, as fused_q6_k: a block's x stays in L1 for the next rows.
+  for (int r = 0; r < R; ++r) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = rows + r * row_bytes + kBytes * b;
+      __m256 dsv, dmv;
+      k_scales(blk, dsv, dmv);
+      _mm256_store_ps(ds, dsv);
+      off = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(sums + 8 * b), off);
+      const __m256i qh = kQ5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+      const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+      const float* xb = x + 256 * b;
+      q45_chunk<0, kQ5>(qs, qh, buf, xb, ds, acc0, acc1);
+      q45_chunk<1, kQ5>(qs, qh, buf, xb, ds, acc0, acc1);
+      q45_chunk<2, kQ5>(qs, qh, buf, xb, ds, acc0, acc1);
+      q45_chunk<3, kQ5>(qs, qh, buf, xb, ds, acc0, acc1);
+    }
+    dst[r] = hsum(_mm256_add_ps(acc0, acc1)) - hsum(off);
+  }
+}
+
+// Q2_K / Q3_K: the 32 elements 128H + 32S + [0, 32) are sub-blocks 8H + 2S and
+// 8H + 2S + 1 (16 each). Q2_K: v[i] holds qs[32H + 8i ..] as int32 lanes, the code
+// (v >> 2S) & 3. Q3_K builds its 32 signed codes as bytes from qs[32H ..] (q) and
+// hmask (hm): the 2-bit code less 4 unless bit 4H + S of hmask is set; then widens them
+// through buf.
+template <int H, int S, bool kQ3>
+inline void k23_group(const __m256i* v, __m256i q, __m256i hm, uint8_t* buf, const float* x, const float* dl,
+                      __m256& acc0, __m256& acc1) {
+  __m256 f[4];
+  if (kQ3) {
+    const __m256i lo = _mm256_and_si256(S == 0 ? q : _mm256_srli_epi16(q, 2 * S), _mm256_set1_epi8(3));
+    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(lo, byte_bit_to<4 * H + S, 2>(hm)), _mm256_set1_epi8(4));
+    widen_i8x32_via(codes, reinterpret_cast<int8_t*>(buf), f);
+  } else {
+    const __m256i three = _mm256_set1_epi32(3);
+    for (int i = 0; i < 4; ++i) f[i] = to_float(_mm256_and_si256(S == 0 ? v[i] : _mm256_srli_epi32(v[i], 2 * S), three));
+  }
+  const __m256 s0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(x)));
+  const __m256 s1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16)));
+  acc0 = _mm256_fmadd_ps(s0, _mm256_broadcast_ss(dl), acc0);
+  acc1 = _mm256_fmadd_ps(s1, _mm256_broadcast_ss(dl + 1), acc1);
+}
+
+template <int H, bool kQ3>
+inline void k23_half(const uint8_t* qs, __m256i hm, uint8_t* buf, const float* xb, const float* dl, __m256& acc0,
+                     __m256& acc1) {
+  __m256i v[4], q = _mm256_setzero_si256();
+  if (kQ3) {
+    q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * H));
+  } else {
+    for (int i = 0; i < 4; ++i) v[i] = load_u8x8(qs + 32 * H + 8 * i);
+  }
+  const float* xh = xb + 128 * H;
+  const float* dh = dl + 8 * H;
+  k23_group<H, 0, kQ3>(v, q, hm, buf, xh, dh, acc0, acc1);
+  k23_group<H, 1, kQ3>(v, q, hm, buf, xh + 32, dh + 2, acc0, acc1);
+  k23_group<H, 2, kQ3>(v, q, hm, buf, xh + 64, dh + 4, acc0, acc1);
+  k23_group<H, 3, kQ3>(v, q, hm, buf, xh + 96, dh + 6, acc0, acc1);
+}
+
+// Q2_K: sub-block j (16 elements) contributes dl_j * sum(code * x) - ml_j * S_j.
+template <int R>
+void fused_q2_k(const uint8_t* rows, int64_t row_bytes, int64_t nb, const float* x, const float* sums, float* dst) {
+  alignas(32) float dl[16];
+  for (int r = 0; r < R; ++r) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = rows + r * row_bytes + 84 * b;
+      __m256 ml0, ml1;
+      q2_scales(blk, dl, ml0, ml1);
+      off = _mm256_fmadd_ps(ml0, _mm256_loadu_ps(sums + 16 * b), off);
+      off = _mm256_fmadd_ps(ml1, _mm256_loadu_ps(sums + 16 * b + 8), off);
+      const float* xb = x + 256 * b;
+      k23_half<0, false>(blk + 16, _mm256_setzero_si256(), nullptr, xb, dl, acc0, acc1);
+      k23_half<1, false>(blk + 16, _mm256_setzero_si256(), nullptr, xb, dl, acc0, acc1);
+    }
+    dst[r] = hsum(_mm256_add_ps(acc0, acc1)) - hsum(off);
+  }
+}
+
+// Q3_K: sub-block j contributes (d (scale_j - 32)) * sum(code * x), codes signed.
+template <int R>
+void fused_q3_k(const uint8_t* rows, int64_t row_bytes, int64_t nb, const float* x, float* dst) {
+  alignas(32) float dl[16];
+  alignas(32) uint8_t buf[32];
+  for (int r = 0; r < R; ++r) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = rows + r * row_bytes + 110 * b;
+      q3_scales(blk, dl);
+      const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+      const float* xb = x + 256 * b;
+      k23_half<0, true>(blk + 32, hm, buf, xb, dl, acc0, acc1);
+      k23_half<1, true>(blk + 32, hm, buf, xb, dl, acc0, acc1);
+    }
+    dst[r] = hsum(_mm256_add_ps(acc0, acc1));
+  }
+}
+
 // R rows starting at `rows` against one row of x (with its block sums); dst[R].
 template <int R>
 void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const float* sums, float* dst) {
@@ -558,6 +1082,13 @@ void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const
     case QuantEncoding::Q4_1: fused_q4<R, 32, true>(rows, w.row_bytes, full, x, sums, dst); break;
     case QuantEncoding::Q6_K: fused_q6_k<R>(rows, w.row_bytes, full, x, dst); break;
     case QuantEncoding::I8: fused_i8<R>(rows, w.row_bytes, w.K, x, dst); break;
+    case QuantEncoding::Q5_0: fused_32<R, Kind32::Q5_0>(rows, w.row_bytes, full, x, sums, dst); break;
+    case QuantEncoding::Q5_1: fused_32<R, Kind32::Q5_1>(rows, w.row_bytes, full, x, sums, dst); break;
+    case QuantEncoding::IQ4_NL: fused_32<R, Kind32::IQ4_NL>(rows, w.row_bytes, full, x, sums, dst); break;
+    case QuantEncoding::Q2_K: fused_q2_k<R>(rows, w.row_bytes, full, x, sums, dst); break;
+    case QuantEncoding::Q3_K: fused_q3_k<R>(rows, w.row_bytes, full, x, dst); break;
+    case QuantEncoding::Q4_K: fused_q45_k<R, false>(rows, w.row_bytes, full, x, sums, dst); break;
+    case QuantEncoding::Q5_K: fused_q45_k<R, true>(rows, w.row_bytes, full, x, sums, dst); break;
     case QuantEncoding::I4:
       if (w.group == 32) fused_q4<R, 32, true>(rows, w.row_bytes, full, x, sums, dst);
       else if (w.group == 64) fused_q4<R, 64, true>(rows, w.row_bytes, full, x, sums, dst);
@@ -587,12 +1118,31 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
   const int64_t B = quant_block_size(w.encoding, w.group, w.K);
   const int64_t full = w.K / B;
-  const bool offsets = w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1 ||
-                       w.encoding == QuantEncoding::I4;
+  // The sums of x the offset terms take, per row of x: block_sums' four floats per
+  // block (Q4_0, Q4_1, Q5_1, I4), or plain sums over each sub-block of 32 (Q4_K, Q5_K)
+  // or 16 (Q2_K) elements; none for the other encodings.
+  int64_t per_row = 0;
+  switch (w.encoding) {
+    case QuantEncoding::Q4_0:
+    case QuantEncoding::Q4_1:
+    case QuantEncoding::Q5_1:
+    case QuantEncoding::I4: per_row = 4 * full; break;
+    case QuantEncoding::Q4_K:
+    case QuantEncoding::Q5_K: per_row = w.K / 32; break;
+    case QuantEncoding::Q2_K: per_row = w.K / 16; break;
+    default: break;
+  }
+  const bool offsets = per_row > 0;
   static thread_local std::vector<float> sums;
   if (offsets) {
-    sums.resize(4 * full * a.M);
-    for (int64_t m = 0; m < a.M; ++m) block_sums(a.x + m * w.K, full, B, sums.data() + 4 * full * m);
+    sums.resize(per_row * a.M);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* x = a.x + m * w.K;
+      float* out = sums.data() + per_row * m;
+      if (w.encoding == QuantEncoding::Q4_K || w.encoding == QuantEncoding::Q5_K) sub_sums(x, per_row, 32, out);
+      else if (w.encoding == QuantEncoding::Q2_K) sub_sums(x, per_row, 16, out);
+      else block_sums(x, full, B, out);
+    }
   }
   bool q8 = a.int8_activations && a.M == 1 &&
             (w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1);
@@ -624,7 +1174,7 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
     prefetch_rows(w, n + 4, n + 8, n_end);
     for (int64_t m = 0; m < a.M; ++m) {
       const float* x = a.x + m * w.K;
-      const float* s = offsets ? sums.data() + 4 * full * m : nullptr;
+      const float* s = offsets ? sums.data() + per_row * m : nullptr;
       float* out = a.out + m * w.N + n;
       if (step == 4) fused_tile<4>(w, rows, x, s, out);
       else fused_tile<1>(w, rows, x, s, out);

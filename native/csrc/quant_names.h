@@ -3,6 +3,7 @@
 // std::invalid_argument, which pybind11 raises as ValueError.
 #pragma once
 
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -11,14 +12,21 @@
 namespace pyagent {
 
 inline QuantEncoding parse_quant_encoding(const std::string& name) {
-  if (name == "Q8_0") return QuantEncoding::Q8_0;
-  if (name == "Q4_0") return QuantEncoding::Q4_0;
-  if (name == "Q4_1") return QuantEncoding::Q4_1;
-  if (name == "Q6_K") return QuantEncoding::Q6_K;
-  if (name == "I8") return QuantEncoding::I8;
-  if (name == "I4") return QuantEncoding::I4;
-  throw std::invalid_argument("encoding: unknown '" + name +
-                              "' (expected 'Q8_0', 'Q4_0', 'Q4_1', 'Q6_K', 'I8' or 'I4')");
+  static const struct {
+    const char* name;
+    QuantEncoding encoding;
+  } kNames[] = {{"Q8_0", QuantEncoding::Q8_0}, {"Q4_0", QuantEncoding::Q4_0}, {"Q4_1", QuantEncoding::Q4_1},
+                {"Q5_0", QuantEncoding::Q5_0}, {"Q5_1", QuantEncoding::Q5_1}, {"IQ4_NL", QuantEncoding::IQ4_NL},
+                {"Q2_K", QuantEncoding::Q2_K}, {"Q3_K", QuantEncoding::Q3_K}, {"Q4_K", QuantEncoding::Q4_K},
+                {"Q5_K", QuantEncoding::Q5_K}, {"Q6_K", QuantEncoding::Q6_K}, {"I8", QuantEncoding::I8},
+                {"I4", QuantEncoding::I4}};
+  std::string expected;
+  for (const auto& entry : kNames) {
+    if (name == entry.name) return entry.encoding;
+    expected += expected.empty() ? "'" : (&entry == &kNames[std::size(kNames) - 1] ? " or '" : ", '");
+    expected += std::string(entry.name) + "'";
+  }
+  throw std::invalid_argument("encoding: unknown '" + name + "' (expected " + expected + ")");
 }
 
 // Bytes per row of `encoding` for K input features; checks K and group.

@@ -4,7 +4,10 @@ model's own Python forward.
 Every tiny architecture (Llama, Mistral with a sliding window, Qwen2 with q/k/v
 biases, Qwen3 with q/k norms), float32 and quantized linears, batches of staggered
 sequences with preemption-free block tables: the same greedy tokens and logprobs
-within float rounding with the fused path on and off. Then bad input to the binding.
+within float rounding with the fused path on and off. Linears stored in parts of
+different encodings (a GGUF ``_M`` mix's q/k in Q4_0 or Q4_K, v in Q8_0 or Q6_K; gate
+and up likewise), in the model and against the same weight as one operand. Then bad
+input to the binding.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("fused")
 
 
-def _run(llm: LLM, fused: bool):
+def _run(llm: LLM, fused: bool, prompts=PROMPTS):
     model = llm.engine.core.model
     model.use_fused_decode = fused
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, params)
+    outs = llm.generate(prompts, params)
     return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
 
 
@@ -95,6 +98,96 @@ def test_not_fused_with_the_torch_backend_or_another_dtype(root):
     assert llm.engine.core.model._fused is False  # bfloat16 norms: the core reads float32 only
 
 
+def _packed(weight, encoding: str, name: str):
+    """``weight [rows, cols]`` encoded as GGUF ``encoding`` (a PackedWeight)."""
+    import torch
+    from pyagent_framework.interfaces import PackedWeight
+    from pyagent_quant import encodings
+    from pyagent_quant.gguf_encode import quantize_gguf
+
+    data = torch.from_numpy(np.ascontiguousarray(quantize_gguf(weight.detach().float().numpy(), encoding)))
+    return PackedWeight(encoding, tuple(weight.shape), data, encodings.dequantize, name)
+
+
+def _in_parts(module, layout, name: str):
+    """``module``'s weight and bias as a PackedPartsLinear: ``layout`` is ``(rows,
+    encoding)`` per part, in order."""
+    from pyagent_framework.interfaces import PackedParts
+    from pyagent_quant.linear import PackedPartsLinear
+
+    parts, start = [], 0
+    for rows, encoding in layout:
+        parts.append(_packed(module.weight[start:start + rows], encoding, f"{name}[{start}:{start + rows}]"))
+        start += rows
+    assert start == module.weight.shape[0]
+    return PackedPartsLinear(PackedParts(tuple(parts), name=name), module.bias)
+
+
+def _mixed_checkpoint(root, arch: str) -> str:
+    """Llama as the tiny tests' (hidden 64: the 32-blocks fit), or a Qwen2 (q/k/v
+    biases) of hidden 256 so the K-quants' blocks of 256 fit."""
+    from tests.tiny_models import tiny_checkpoint
+
+    if arch == "llama":
+        return tiny_checkpoint("llama", root)
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tests.tiny_models import COMMON, save_tokenizer
+
+    path = root / "qwen2-256"
+    if not path.exists():
+        torch.manual_seed(7)
+        config = Qwen2Config(**{**COMMON, "hidden_size": 256, "intermediate_size": 256}, tie_word_embeddings=True)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 2:
+                    param.normal_(0.0, 0.06)
+                elif name.endswith(".bias"):  # q/k/v
+                    param.normal_(0.0, 0.1)
+        model.save_pretrained(path, safe_serialization=True)
+        save_tokenizer(path)
+    return str(path)
+
+
+# arch -> (q, k, v encodings), (gate, up encodings)
+MIXES = {
+    "llama": (("Q4_0", "Q4_0", "Q8_0"), ("Q4_1", "Q8_0")),
+    "qwen2": (("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q6_K")),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MIXES))
+def test_fused_decode_with_linears_in_parts(root, arch):
+    """qkv_proj and gate_up_proj stored in parts of different encodings (as a ``_M``
+    GGUF mix loads them): the fused step computes each part into its columns and
+    agrees with the model's forward, for batches of four sequences and of one."""
+    pytest.importorskip("pyagent_quant.gguf_encode")
+    from pyagent_quant.linear import PackedPartsLinear
+
+    llm = LLM(_mixed_checkpoint(root, arch), block_size=4, kv_cache_memory="16MiB", max_model_len=128)
+    model = llm.engine.core.model
+    (q_enc, k_enc, v_enc), (gate_enc, up_enc) = MIXES[arch]
+    q, kv, inter = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.intermediate_size
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _in_parts(attn.qkv_proj, [(q, q_enc), (kv, k_enc), (kv, v_enc)], f"layers.{i}.qkv_proj")
+        mlp.gate_up_proj = _in_parts(mlp.gate_up_proj, [(inter, gate_enc), (inter, up_enc)], f"layers.{i}.gate_up_proj")
+        operand = attn.qkv_proj.native_operand()
+        assert len(operand["parts"]) == 2  # q and k share an encoding: joined
+        assert all((part["bias"] is not None) == (arch == "qwen2") for part in operand["parts"])
+    model._fused = None  # built again from the new modules
+    for prompts in (PROMPTS, PROMPTS[1:2]):  # decode batches of several rows, and of one
+        want = _run(llm, fused=False, prompts=prompts)
+        got = _run(llm, fused=True, prompts=prompts)
+        assert isinstance(model._fused, FusedDecoder), "the fused path was not built"
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedPartsLinear)
+        for (tokens_a, lps_a), (tokens_b, lps_b) in zip(want, got):
+            assert tokens_b == tokens_a
+            assert np.allclose(lps_b, lps_a, atol=1e-4), max(abs(a - b) for a, b in zip(lps_a, lps_b))
+
+
 def _stack(hidden=8, heads=2, kv_heads=1, head_dim=4, inter=6, layers=1, **override):
     rng = np.random.default_rng(0)
 
@@ -118,8 +211,10 @@ def test_bad_weights_are_value_errors_naming_them():
         _stack(qkv={"weight": np.zeros((5, 8), np.float32), "bias": None})
     with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: expected dtype float32"):
         _stack(input_norm=np.zeros(8, np.float64))
-    with pytest.raises(ValueError, match="unknown .Q5_0."):
-        _stack(down={"data": np.zeros((8, 22), np.uint8), "encoding": "Q5_0", "group": 0, "bias": None})
+    with pytest.raises(ValueError, match="unknown .IQ2_XXS."):
+        _stack(down={"data": np.zeros((8, 22), np.uint8), "encoding": "IQ2_XXS", "group": 0, "bias": None})
+    with pytest.raises(ValueError, match=r"Q4_K needs K \(input features\) to be a multiple of 256"):
+        _stack(down={"data": np.zeros((8, 144), np.uint8), "encoding": "Q4_K", "group": 0, "bias": None})
     with pytest.raises(ValueError, match=r"Q4_1 needs K \(input features\) to be a multiple of 32"):
         _stack(down={"data": np.zeros((8, 20), np.uint8), "encoding": "Q4_1", "group": 0, "bias": None})
     with pytest.raises(ValueError, match="inconsistent shape"):
@@ -150,3 +245,115 @@ def test_bad_batches_are_errors_naming_the_argument():
         stack.decode(**{**good, "slots": np.array([16], np.int64)})
     with pytest.raises(IndexError, match="block_tables.*outside the cache"):
         stack.decode(**{**good, "block_tables": np.array([[7, 0]], np.int32)})
+
+
+def _decode(stack, x, T, kv_heads=1, head_dim=4):
+    """One decode step of ``T`` sequences (one block each, positions 0..T-1) on ``x``."""
+    x = x.copy()
+    rng = np.random.default_rng(1)
+    cs = rng.standard_normal((T, head_dim // 2)).astype(np.float32)
+    sn = rng.standard_normal((T, head_dim // 2)).astype(np.float32)
+    caches = [np.zeros((2, T, 4, kv_heads, head_dim), np.float32) for _ in range(len(stack))]
+    stack.decode(x, cs, sn, caches, np.arange(T, dtype=np.int64) * 4, np.arange(T, dtype=np.int32)[:, None],
+                 np.ones(T, np.int32), 2)
+    return x
+
+
+def _quantize(weight, encoding):
+    """``weight`` as a packed operand's data, and the floats it decodes to."""
+    import torch
+
+    packed = _packed(torch.from_numpy(weight), encoding, "w")
+    data = packed.data.numpy()
+    floats = np.empty(weight.shape, np.float32)
+    _core.dequantize(floats, data, encoding, 0, 1)
+    return data, floats
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_parts_equal_the_whole_weight(T):
+    """A layer given as parts (float32 or packed, with bias slices) computes what the
+    same weight given whole does, for one row of x (parts written in place) and
+    several (through the scratch)."""
+    pytest.importorskip("pyagent_quant.gguf_encode")
+    hidden, heads, kv_heads, head_dim, inter = 32, 4, 2, 8, 32
+    rng = np.random.default_rng(3)
+
+    def w(*shape):
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+
+    qkv, qkv_bias = w(64, hidden), w(64)
+    q8, q8_floats = _quantize(qkv[48:], "Q8_0")
+    q4, q4_floats = _quantize(qkv[:48], "Q4_0")
+    gate_up = w(2 * inter, hidden)
+    base = {
+        "input_norm": 1 + w(hidden), "post_norm": 1 + w(hidden), "q_norm": None, "k_norm": None,
+        "o": {"weight": w(hidden, heads * head_dim), "bias": None},
+        "down": {"weight": w(hidden, inter), "bias": w(hidden)},
+        "sliding_window": 0,
+    }
+    whole = {
+        **base,
+        "qkv": {"weight": np.concatenate([q4_floats, q8_floats]), "bias": qkv_bias},
+        "gate_up": {"weight": gate_up, "bias": None},
+    }
+    parts = {
+        **base,
+        "qkv": {"parts": [
+            {"data": q4, "encoding": "Q4_0", "group": 0, "bias": qkv_bias[:48]},
+            {"data": q8, "encoding": "Q8_0", "group": 0, "bias": qkv_bias[48:], "int8_activations": False},
+        ]},
+        "gate_up": {"parts": [  # float parts, a split not on a multiple of four rows
+            {"weight": np.ascontiguousarray(gate_up[:13]), "bias": None},
+            {"weight": np.ascontiguousarray(gate_up[13:40]), "bias": None},
+            {"weight": np.ascontiguousarray(gate_up[40:]), "bias": None},
+        ]},
+    }
+    shape = (hidden, heads, kv_heads, head_dim, inter, 1e-6, head_dim ** -0.5)
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    want = _decode(_core.DecoderStack(*shape, [whole] * 2), x, T, kv_heads, head_dim)
+    got = _decode(_core.DecoderStack(*shape, [parts] * 2), x, T, kv_heads, head_dim)
+    assert not np.allclose(want, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    one = _decode(_core.DecoderStack(*shape, [{**whole, "qkv": {"parts": [whole["qkv"]]}}] * 2), x, T, kv_heads,
+                  head_dim)
+    np.testing.assert_array_equal(one, want)  # one part: the layer as given whole
+
+
+def test_bad_parts_are_value_errors_naming_the_linear():
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def q8(rows, cols):  # Q8_0 rows of `cols` inputs: 34 bytes per 32
+        return np.zeros((rows, cols // 32 * 34), np.uint8)
+
+    # qkv: 16 rows of 8 inputs; gate_up: 12 rows of 8; down: 8 rows of 6
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts: 8 \+ 4 = 12 rows, expected 16"):
+        _stack(qkv={"parts": [{"weight": w(8, 8), "bias": None}, {"weight": w(4, 8), "bias": None}]})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.gate_up\.parts\[1\]\.weight\.shape\[1\] is 7, expected 8"):
+        _stack(gate_up={"parts": [{"weight": w(6, 8), "bias": None}, {"weight": w(6, 7), "bias": None}]})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts\[0\]\.bias\.shape\[0\] is 16, expected 8"):
+        _stack(qkv={"parts": [{"weight": w(8, 8), "bias": w(16)}, {"weight": w(8, 8), "bias": None}]})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts: expected at least one operand"):
+        _stack(qkv={"parts": []})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts: expected a list"):
+        _stack(qkv={"parts": {"weight": w(16, 8), "bias": None}})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.o\.parts\[1\]: expected a dict"):
+        _stack(o={"parts": [{"weight": w(4, 8), "bias": None}, None]})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.down\.parts\[0\]: expected 'weight' \(float32\) or 'data'"):
+        _stack(down={"parts": [{"bias": None}]})
+    # packed parts with another K: their rows are the wrong size for the layer's K (32 here)
+    big = dict(hidden=32, heads=2, kv_heads=1, head_dim=16, inter=32)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts\[1\]\.data\.shape\[1\] is 68, expected 34 "
+                                         r"\(Q8_0 rows of 32 input features\)"):
+        _stack(**big, qkv={"parts": [{"data": q8(32, 32), "encoding": "Q8_0", "group": 0, "bias": None},
+                                     {"data": q8(32, 64), "encoding": "Q8_0", "group": 0, "bias": None}]})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts\[1\]: Q4_K needs K \(input features\) to be a "
+                                         r"multiple of 256"):
+        _stack(**big, qkv={"parts": [{"data": q8(32, 32), "encoding": "Q8_0", "group": 0, "bias": None},
+                                     {"data": np.zeros((32, 144), np.uint8), "encoding": "Q4_K", "group": 0,
+                                      "bias": None}]})
+    _stack(**big, qkv={"parts": [{"data": q8(40, 32), "encoding": "Q8_0", "group": 0, "bias": None},
+                                 {"weight": w(24, 32), "bias": w(24)}]})  # accepted: packed and float parts

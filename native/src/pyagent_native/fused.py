@@ -11,8 +11,22 @@ chunked prefill, mixed batches).
 The model describes its layers with plain data (:func:`NativeAttention.fuse_decoder
 <pyagent_native.attention.NativeAttention.fuse_decoder>`); a linear layer takes part
 when its module says how the core reads its weight (``native_operand()``: NativeLinear
-and pyagent-quant's PackedLinear do) or is a float32 CPU ``nn.Linear``. Anything else
-(another dtype, a module the core cannot read) leaves the model on its Python path.
+and pyagent-quant's PackedLinear and PackedPartsLinear do) or is a float32 CPU
+``nn.Linear``. Anything else (another dtype, a module the core cannot read) leaves the
+model on its Python path.
+
+An operand is one of
+
+- ``{"weight", "bias"}``: float32 ``[N, K]``, bias ``[N]`` or None;
+- ``{"data", "encoding", "group", "bias", "int8_activations"}``: packed rows
+  (``uint8 [N, row bytes]``, see ``_core.quantized_linear``);
+- ``{"parts": [operand, ...]}``: a weight whose row ranges are stored in different
+  encodings (a GGUF ``_M`` mix's fused q/k/v with v in more bits): each part one of
+  the above with the layer's K and its own bias slice, computing the next N_p output
+  features; the parts' rows add up to the layer's N.
+
+The core checks every operand when the stack is built (a ValueError naming the layer
+and linear).
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ _LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def linear_operand(module: Any) -> dict | None:
-    """How the core reads ``module``'s weight, or None if it cannot."""
+    """How the core reads ``module``'s weight (an operand, see above; a module's own
+    ``native_operand()`` is passed through as is, parts included), or None if it
+    cannot."""
     describe = getattr(module, "native_operand", None)
     if describe is not None:
         return describe()
