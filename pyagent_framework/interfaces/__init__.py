@@ -13,7 +13,7 @@ from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher,
 from pyagent_framework.interfaces.kv_connector import KVConnector
 from pyagent_framework.interfaces.model import ModelArchitecture
 from pyagent_framework.interfaces.proposer import Proposer
-from pyagent_framework.interfaces.quantizer import PackedWeight, Quantizer
+from pyagent_framework.interfaces.quantizer import PackedParts, PackedWeight, Quantizer
 from pyagent_framework.interfaces.reasoning_parser import ReasoningParser
 from pyagent_framework.interfaces.tokenizer import Tokenizer
 from pyagent_framework.interfaces.tool_parser import ToolParser
@@ -28,6 +28,7 @@ __all__ = [
     "KVConnector",
     "LayerOps",
     "ModelArchitecture",
+    "PackedParts",
     "PackedWeight",
     "Proposer",
     "Quantizer",

@@ -61,6 +61,38 @@ class PackedWeight:
         return PackedWeight(first.encoding, (data.shape[0], first.shape[1]), data, first.decode, name or first.name)
 
 
+@dataclass(frozen=True, eq=False)
+class PackedParts:
+    """One linear weight whose row ranges are stored in different encodings: a fused
+    ``qkv_proj`` whose ``v`` part a GGUF file keeps in ``Q6_K`` while ``q`` and ``k``
+    are ``Q4_K``, as llama.cpp's ``_M`` mixes do. ``parts`` are the row ranges in order,
+    each a :class:`PackedWeight` of the same column count; the weight is their rows one
+    after another. A quantizer that reads every part's encoding computes each part as
+    stored; :meth:`dequantize` gives the floats for any other."""
+
+    parts: tuple[PackedWeight, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.parts or len({p.shape[1] for p in self.parts}) != 1:
+            shapes = ", ".join(f"{p.name or '?'} {p.shape}" for p in self.parts)
+            raise ValueError(f"packed parts of {self.name or '?'} must share a column count, got {shapes or 'none'}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def encodings(self) -> frozenset[str]:
+        return frozenset(p.encoding for p in self.parts)
+
+    def dequantize(self) -> Any:
+        """The weight as a float32 tensor of ``shape``."""
+        import torch
+
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
 class Quantizer(ABC):
     """Turns a linear layer's weight into the module that computes the layer.
 
@@ -78,7 +110,8 @@ class Quantizer(ABC):
     - ``packed_encodings``: encodings the quantizer computes from directly. When the
       weight format can keep them (GGUF), such weights reach ``make_linear`` as a
       :class:`PackedWeight` instead of floats; weights in other encodings arrive as
-      floats, dequantized on load.
+      floats, dequantized on load. A fused weight whose parts came in different
+      encodings it reads arrives as :class:`PackedParts`.
     - ``make_embedding(packed)``: an ``nn.Embedding``-like module reading a packed
       embedding table (its ``forward(ids)`` returns float rows). Without it a packed
       embedding is dequantized on load.

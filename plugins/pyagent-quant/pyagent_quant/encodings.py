@@ -10,6 +10,13 @@ code consecutive columns. Little-endian; f16 is IEEE half precision.
 | ``Q4_0`` (GGUF) | 32 | 18 | f16 d, u8 qs[16]: ``d*((qs & 15) - 8)``, then ``d*((qs >> 4) - 8)`` |
 | ``Q4_1`` (GGUF) | 32 | 20 | f16 d, f16 m, u8 qs[16]: ``d*(qs & 15) + m``, then ``d*(qs >> 4) + m`` |
 | ``Q6_K`` (GGUF) | 256 | 210 | u8 ql[128], u8 qh[64], int8 scales[16], f16 d (ggml's layout) |
+| ``Q5_0`` (GGUF) | 32 | 22 | f16 d, u32 qh, u8 qs[16]: ``d*(q - 16)``, q's bit 4 from ``qh`` |
+| ``Q5_1`` (GGUF) | 32 | 24 | f16 d, f16 m, u32 qh, u8 qs[16]: ``d*q + m`` |
+| ``IQ4_NL`` (GGUF) | 32 | 18 | f16 d, u8 qs[16]: ``d*v[q]``, ``v`` a table of 16 values in [-127, 113] |
+| ``Q2_K`` (GGUF) | 256 | 84 | u8 scales[16], u8 qs[64], f16 d, f16 dmin: ``(d*scale)*q - dmin*min`` |
+| ``Q3_K`` (GGUF) | 256 | 110 | u8 hmask[32], u8 qs[64], u8 scales[12], f16 d: ``(d*scale)*q``, q in -4..3 |
+| ``Q4_K`` (GGUF) | 256 | 144 | f16 d, f16 dmin, u8 scales[12], u8 qs[128]: ``(d*scale)*q - dmin*min`` |
+| ``Q5_K`` (GGUF) | 256 | 176 | f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]: as ``Q4_K``, 5-bit q |
 | ``I8`` | row | 4 + K | f32 scale, int8 q[K]: ``scale*q`` (per output channel, symmetric) |
 | ``I4_G{g}`` | g | 4 + g/2 | as ``Q4_1`` with g columns per block; ``I4_G32`` is ``Q4_1`` |
 
@@ -18,6 +25,9 @@ and its columns past the end are padding, never read.
 
 The decoders follow the ``gguf`` package's float32 operation order (``d * q + m`` as a
 product then a sum, ``(d * scale) * q`` for ``Q6_K``), so they equal it bit for bit.
+The decoders of the types listed after ``Q6_K`` live in :mod:`pyagent_quant.gguf_blocks`,
+which spells out their bit layouts (k-quant scales and mins are 4- or 6-bit integers per
+sub-block of 16 or 32 values).
 """
 
 from __future__ import annotations
@@ -28,9 +38,14 @@ import torch
 
 from pyagent_framework.interfaces import PackedWeight
 
-GGUF_ENCODINGS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q6_K"})
+from . import gguf_blocks
+from .gguf_blocks import f16 as _f16
+from .gguf_blocks import nibbles as _nibbles
+
+#: The GGUF types the engine keeps packed (the native core has kernels for each).
+GGUF_ENCODINGS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q6_K", *gguf_blocks.DECODERS})
 INT4_GROUPS = (32, 64, 128)
-_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q6_K": (256, 210)}
+_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q6_K": (256, 210), **gguf_blocks.BLOCKS}
 _I4 = re.compile(r"I4_G(\d+)")
 
 
@@ -57,16 +72,6 @@ def row_bytes(encoding: str, columns: int) -> int:
     raise ValueError(f"unknown encoding {encoding!r} (known: {', '.join(sorted(_BLOCKS))}, I8, I4_G32/64/128)")
 
 
-def _f16(data: torch.Tensor, at: int) -> torch.Tensor:
-    """The f16 at byte ``at`` of each block (``data [..., block bytes]``) as float32."""
-    return data[..., at : at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Low nibbles of every byte, then the high ones (the order GGUF blocks use)."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 ``[rows, columns]`` values of ``packed`` (any encoding above)."""
     rows, columns = packed.shape
@@ -78,6 +83,8 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
             f"got {data.dtype} {tuple(data.shape)}"
         )
     encoding, group = kernel_encoding(packed.encoding)
+    if encoding in gguf_blocks.DECODERS:
+        return gguf_blocks.DECODERS[encoding](data)
     if encoding == "I8":
         # A fresh [rows, 4] copy: a view of a narrow slice cannot be reinterpreted.
         scale = torch.empty(rows, 4, dtype=torch.uint8).copy_(data[:, :4]).view(torch.float32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pyagent_framework.interfaces import PackedWeight
+from pyagent_framework.interfaces import PackedParts, PackedWeight
 
 from . import encodings
 
@@ -115,6 +115,50 @@ class PackedLinear(torch.nn.Module):
             bias = None if self.bias is None else self.bias[start:stop]
             out[:, start:stop] = F.linear(flat, self.dequantize(start, stop).to(x.device), bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+class PackedPartsLinear(torch.nn.Module):
+    """``x @ W.T + bias`` for a weight whose row ranges are packed in different
+    encodings (:class:`PackedParts`: a fused q/k/v whose v a ``_M`` GGUF mix keeps in
+    more bits). Neighbouring parts in one encoding are joined; each range is a
+    :class:`PackedLinear`, computed as stored, and writes its columns of the output."""
+
+    def __init__(self, weight: PackedParts, bias: torch.Tensor | None = None, **options) -> None:
+        super().__init__()
+        runs: list[list[PackedWeight]] = []
+        for part in weight.parts:
+            if runs and runs[-1][-1].encoding == part.encoding:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.out_features, self.in_features = weight.shape
+        self.bounds: list[tuple[int, int]] = []
+        modules, start = [], 0
+        for run in runs:
+            packed = PackedWeight.concat(run, name=f"{weight.name}[{start}:]") if len(run) > 1 else run[0]
+            stop = start + packed.shape[0]
+            modules.append(PackedLinear(packed, None if bias is None else bias[start:stop], **options))
+            self.bounds.append((start, stop))
+            start = stop
+        self.ranges = torch.nn.ModuleList(modules)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def native_operand(self) -> dict | None:
+        """How the native core's fused decoder reads the ranges (each as PackedLinear's),
+        or None without the core."""
+        parts = [module.native_operand() for module in self.ranges]
+        return None if any(p is None for p in parts) else {"parts": parts}
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([module.dequantize() for module in self.ranges])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        for (start, stop), module in zip(self.bounds, self.ranges, strict=True):
+            out[..., start:stop] = module(x)
+        return out
 
 
 class PackedEmbedding(torch.nn.Module):

@@ -26,7 +26,7 @@ def pyagent_register_quantizers(register):
     register(
         "gguf",
         "pyagent_quant.quantizers:GGUFQuantizer",
-        description="a GGUF file's Q8_0/Q4_0/Q4_1/Q6_K tensors computed as stored (default for GGUF files)",
+        description="a GGUF file's quantized tensors (Q2_K to Q8_0, IQ4_NL) computed as stored (default for GGUF files)",
     )
     register(
         "fp8",

@@ -14,14 +14,14 @@ from abc import abstractmethod
 import torch
 import torch.nn.functional as F
 
-from pyagent_framework.interfaces import PackedWeight, Quantizer
+from pyagent_framework.interfaces import PackedParts, PackedWeight, Quantizer
 
 from . import encodings
-from .linear import PackedEmbedding, PackedLinear, native_available
+from .linear import PackedEmbedding, PackedLinear, PackedPartsLinear, native_available
 
 
 def _float_weight(weight, quantizer: str) -> torch.Tensor:
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, PackedWeight | PackedParts):
         weight = weight.dequantize()
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         shape = tuple(getattr(weight, "shape", ()))
@@ -86,7 +86,11 @@ class Int4Quantizer(_PackingQuantizer):
 
 
 class GGUFQuantizer(Quantizer):
-    """A GGUF file's ``Q8_0``, ``Q4_0``, ``Q4_1`` and ``Q6_K`` tensors, computed as stored.
+    """A GGUF file's quantized tensors, computed as stored: ``Q8_0``, ``Q6_K``,
+    ``Q5_K``, ``Q5_1``, ``Q5_0``, ``Q4_K``, ``Q4_1``, ``Q4_0``, ``IQ4_NL``, ``Q3_K`` and
+    ``Q2_K`` (every type of llama-quantize's ``Q2_K`` … ``Q8_0`` mixes). A fused layer
+    whose parts the file keeps in different types (an ``_M`` mix's ``v``) is computed
+    part by part.
 
     Linear weights in other types (and float ones) arrive dequantized (the GGUF format
     logs which) and are computed in float32: with the native core's small-batch
@@ -107,12 +111,15 @@ class GGUFQuantizer(Quantizer):
         self.int8_activations = activations == "int8"
 
     def make_linear(self, weight, bias=None):
-        if isinstance(weight, PackedWeight):
-            if weight.encoding not in self.packed_encodings:
+        if isinstance(weight, PackedWeight | PackedParts):
+            unread = sorted((weight.encodings if isinstance(weight, PackedParts) else {weight.encoding}) - self.packed_encodings)
+            if unread:
                 raise ValueError(
-                    f"quantization 'gguf': tensor {weight.name!r} has type {weight.encoding}, which it does not read "
+                    f"quantization 'gguf': tensor {weight.name!r} has type {', '.join(unread)}, which it does not read "
                     f"(it reads {', '.join(sorted(self.packed_encodings))})"
                 )
+            if isinstance(weight, PackedParts):
+                return PackedPartsLinear(weight, bias, int8_activations=self.int8_activations)
             return PackedLinear(weight, bias, int8_activations=self.int8_activations)
         weight = _float_weight(weight, "gguf").float().contiguous()
         if native_available():

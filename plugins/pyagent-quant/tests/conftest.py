@@ -1,6 +1,6 @@
-"""Shared helpers of the pyagent-quant tests: packed weights in every encoding, a Q6_K
-quantizer (the ``gguf`` package only dequantizes Q6_K) and a writer of tiny llama GGUF
-files whose tensors are quantized to chosen GGML types.
+"""Shared helpers of the pyagent-quant tests: packed weights in every encoding and a
+writer of tiny llama GGUF files whose tensors are quantized to chosen GGML types
+(with ``pyagent_quant.gguf_encode``, which encodes every type the engine reads).
 
 The tests run with ``--import-mode=importlib``, where a test module cannot import this
 file; the helpers reach them as the session fixture ``quant_helpers``. (The pyagent-hf
@@ -24,7 +24,19 @@ import torch  # noqa: E402
 
 #: Block size and bytes per block of the GGUF encodings, and where each block keeps
 #: its f16 fields (byte offsets).
-GGUF_BLOCKS = {"Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q6_K": (256, 210, (208,))}
+GGUF_BLOCKS = {
+    "Q8_0": (32, 34, (0,)),
+    "Q4_0": (32, 18, (0,)),
+    "Q4_1": (32, 20, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q5_0": (32, 22, (0,)),
+    "Q5_1": (32, 24, (0, 2)),
+    "IQ4_NL": (32, 18, (0,)),
+    "Q2_K": (256, 84, (80, 82)),
+    "Q3_K": (256, 110, (108,)),
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+}
 
 
 def finite_f16(rng: np.random.Generator, size, low: float | None = None, high: float | None = None) -> np.ndarray:
@@ -50,48 +62,22 @@ def random_gguf_bytes(encoding: str, rows: int, columns: int, rng: np.random.Gen
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
-def quantize_q6_k(values: np.ndarray) -> np.ndarray:
-    """GGML's Q6_K blocks for float32 ``[rows, columns]`` (columns a multiple of 256):
-    per 16 values an int8 scale, per 256 an f16 ``d``, 6-bit codes ``q - 32`` laid out as
-    ggml's ``dequantize_row_q6_K`` reads them. Simpler than llama.cpp's search for the
-    best scales (max-abs scales), but the same format."""
-    rows, columns = values.shape
-    assert columns % 256 == 0
-    x = np.asarray(values, np.float32).reshape(-1, 256)
-    n = x.shape[0]
-    sub = x.reshape(n, 16, 16)
-    sub_scale = np.abs(sub).max(-1) / 31  # codes in [-31, 31]
-    d16 = (sub_scale.max(-1) / 127).astype(np.float16)
-    d = d16.astype(np.float32)
-    safe_d = np.where(d > 0, d, 1)
-    sc = np.where(d[:, None] > 0, np.clip(np.round(sub_scale / safe_d[:, None]), -128, 127), 0).astype(np.int8)
-    eff = d[:, None] * sc.astype(np.float32)
-    safe_eff = np.where(eff > 0, eff, 1)
-    q = np.where(eff[..., None] > 0, np.clip(np.round(sub / safe_eff[..., None]), -32, 31), 0)
-    codes = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [half, j, l]: value l + 32 j
-    low, high = codes & 15, codes >> 4
-    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1)
-    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
-    blocks = np.concatenate(
-        [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=-1
-    )
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
 def gguf_quantize(values: np.ndarray, type_name: str) -> np.ndarray:
     """``values`` (float32 ``[rows, columns]``) in the GGML type ``type_name``: the bytes
     for a quantized type, the array itself for F32/F16."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import quantize
 
+    from pyagent_quant.gguf_encode import gguf_encodings, quantize_gguf
+
     values = np.ascontiguousarray(values, np.float32)
     if type_name == "F32":
         return values
     if type_name == "F16":
         return values.astype(np.float16)
-    if type_name == "Q6_K":
-        return quantize_q6_k(values)
-    return quantize(values, GGMLQuantizationType[type_name])
+    if type_name in gguf_encodings():
+        return quantize_gguf(values, type_name)
+    return quantize(values, GGMLQuantizationType[type_name])  # BF16 and the like
 
 
 def packed_weight(encoding: str, rows: int, columns: int, seed: int = 0, name: str = ""):
@@ -235,7 +221,6 @@ def quant_helpers():
         GGUF_BLOCKS=GGUF_BLOCKS,
         finite_f16=finite_f16,
         random_gguf_bytes=random_gguf_bytes,
-        quantize_q6_k=quantize_q6_k,
         gguf_quantize=gguf_quantize,
         packed_weight=packed_weight,
         TINY_GGUF=TINY_GGUF,

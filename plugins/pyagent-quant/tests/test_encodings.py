@@ -333,7 +333,7 @@ def test_row_bytes_rejects_partial_blocks(encoding, columns):
         encodings.row_bytes(encoding, columns)
 
 
-@pytest.mark.parametrize("encoding", ["Q5_0", "F16", "I4_G48", "I4_G16", "I4", "I2", "q8_0", ""])
+@pytest.mark.parametrize("encoding", ["IQ4_XS", "F16", "I4_G48", "I4_G16", "I4", "I2", "q8_0", ""])
 def test_row_bytes_rejects_unknown_encodings(encoding):
     with pytest.raises(ValueError, match="unknown encoding"):
         encodings.row_bytes(encoding, 64)

@@ -1,7 +1,9 @@
 """The ``gguf`` quantizer on tiny llama GGUF files written here (conftest.write_tiny_gguf):
-tensors quantized to Q8_0, Q4_0, Q4_1 and Q6_K are computed as stored, one in Q5_0 (a
-type the quantizer does not read) falls back to dequantized floats with a warning, and
-the model agrees with the same file loaded dequantized (``quantization="none"``).
+tensors in every GGML type it reads (Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0,
+IQ4_NL, Q3_K, Q2_K) are computed as stored, a fused q/k/v whose v came in another type
+(as llama.cpp's ``_M`` mixes write it) is computed part by part as stored, one in BF16
+(a type the quantizer does not read) falls back to dequantized floats with a warning,
+and the model agrees with the same file loaded dequantized (``quantization="none"``).
 
 Tolerance: both paths compute from the same float32 weights (the decoders equal the
 ``gguf`` package's bit for bit, test_encodings), so they differ only in the order of
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from pyagent_framework import LLM, SamplingParams
-from pyagent_quant.linear import PackedEmbedding, PackedLinear
+from pyagent_quant.linear import PackedEmbedding, PackedLinear, PackedPartsLinear
 
 ENGINE = dict(kv_cache_memory="16MiB", max_model_len=128)
 PROMPTS = [
@@ -34,10 +36,11 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
 TOLERANCE = 1e-4
 
-# Layer 0: q/k in Q4_0 and v in Q8_0 (a fused qkv in mixed encodings: computed from
-# floats), o and down in Q4_1, gate/up in Q6_K. Layer 1: q/k/v in Q8_0 (one packed
-# qkv), o in Q6_K, gate in Q5_0 (not read: dequantized on load, a warning) with up in
-# Q6_K (a fused gate_up partly unpacked: floats), down in Q4_0.
+# Layer 0: q/k in Q4_0 and v in Q8_0 (a fused qkv in two types: computed part by part),
+# o in Q4_1, gate/up in Q6_K, down in Q4_K. Layer 1: q/k/v in Q5_0 (one packed qkv), o
+# in Q5_K, gate in BF16 (not read: dequantized on load, a warning) with up in Q3_K (a
+# fused gate_up partly unpacked: floats), down in IQ4_NL. The embedding and head take
+# Q5_1 and Q2_K (untied) or Q6_K (tied).
 LAYER_TYPES = {
     "blk.0.attn_q.weight": "Q4_0",
     "blk.0.attn_k.weight": "Q4_0",
@@ -45,29 +48,30 @@ LAYER_TYPES = {
     "blk.0.attn_output.weight": "Q4_1",
     "blk.0.ffn_gate.weight": "Q6_K",
     "blk.0.ffn_up.weight": "Q6_K",
-    "blk.0.ffn_down.weight": "Q4_1",
-    "blk.1.attn_q.weight": "Q8_0",
-    "blk.1.attn_k.weight": "Q8_0",
-    "blk.1.attn_v.weight": "Q8_0",
-    "blk.1.attn_output.weight": "Q6_K",
-    "blk.1.ffn_gate.weight": "Q5_0",
-    "blk.1.ffn_up.weight": "Q6_K",
-    "blk.1.ffn_down.weight": "Q4_0",
+    "blk.0.ffn_down.weight": "Q4_K",
+    "blk.1.attn_q.weight": "Q5_0",
+    "blk.1.attn_k.weight": "Q5_0",
+    "blk.1.attn_v.weight": "Q5_0",
+    "blk.1.attn_output.weight": "Q5_K",
+    "blk.1.ffn_gate.weight": "BF16",
+    "blk.1.ffn_up.weight": "Q3_K",
+    "blk.1.ffn_down.weight": "IQ4_NL",
 }
 VARIANTS = {
-    "untied": {**LAYER_TYPES, "token_embd.weight": "Q8_0", "output.weight": "Q6_K"},
+    "untied": {**LAYER_TYPES, "token_embd.weight": "Q5_1", "output.weight": "Q2_K"},
     "tied": {**LAYER_TYPES, "token_embd.weight": "Q6_K"},
 }
-# module -> encoding of its PackedLinear (None: computed from dequantized floats)
+# module -> encoding of its PackedLinear (None: computed from dequantized floats; a
+# tuple: a PackedPartsLinear's ranges)
 EXPECTED = {
-    "model.layers.0.self_attn.qkv_proj": None,
+    "model.layers.0.self_attn.qkv_proj": ("Q4_0", "Q8_0"),
     "model.layers.0.self_attn.o_proj": "Q4_1",
     "model.layers.0.mlp.gate_up_proj": "Q6_K",
-    "model.layers.0.mlp.down_proj": "Q4_1",
-    "model.layers.1.self_attn.qkv_proj": "Q8_0",
-    "model.layers.1.self_attn.o_proj": "Q6_K",
+    "model.layers.0.mlp.down_proj": "Q4_K",
+    "model.layers.1.self_attn.qkv_proj": "Q5_0",
+    "model.layers.1.self_attn.o_proj": "Q5_K",
     "model.layers.1.mlp.gate_up_proj": None,
-    "model.layers.1.mlp.down_proj": "Q4_0",
+    "model.layers.1.mlp.down_proj": "IQ4_NL",
 }
 
 
@@ -129,6 +133,10 @@ def test_linears_keep_the_files_encodings(models):
         module = modules[module_name]
         if encoding is None:
             assert not isinstance(module, PackedLinear) and module.weight.dtype == torch.float32, module_name
+        elif isinstance(encoding, tuple):
+            assert isinstance(module, PackedPartsLinear), module_name
+            assert tuple(m.packed.encoding for m in module.ranges) == encoding
+            assert module.bounds == [(0, 384), (384, 512)]  # q and k (4 + 2 heads of 64 rows), then v
         else:
             assert isinstance(module, PackedLinear) and module.packed.encoding == encoding, module_name
     embedding, head = model.model.embed_tokens, model.lm_head
@@ -137,7 +145,7 @@ def test_linears_keep_the_files_encodings(models):
         assert embedding.packed is head.packed and head.packed.encoding == "Q6_K"
         assert not any(p.dim() == 2 and p.shape[0] == 320 for p in model.parameters())  # no float table kept
     else:
-        assert (embedding.packed.encoding, head.packed.encoding) == ("Q8_0", "Q6_K")
+        assert (embedding.packed.encoding, head.packed.encoding) == ("Q5_1", "Q2_K")
 
 
 def test_packed_weights_decode_to_the_dequantized_model(models):
@@ -146,7 +154,7 @@ def test_packed_weights_decode_to_the_dequantized_model(models):
     _, _, packed, plain, _ = models
     floats = dict(plain.engine.core.model.named_modules())
     for name, module in packed.engine.core.model.named_modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear | PackedPartsLinear) and name in floats:
             want = floats[name].weight.detach()
             assert torch.equal(module.dequantize().view(torch.int32), want.view(torch.int32)), name
         elif name in EXPECTED:  # a fused linear computed from dequantized floats
@@ -161,7 +169,7 @@ def test_unread_type_is_dequantized_with_a_warning(models):
     warnings = [r for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # one per type, naming its first tensor
     message = warnings[0].getMessage()
-    assert "'blk.1.ffn_gate.weight'" in message and "Q5_0" in message and "dequantized" in message
+    assert "'blk.1.ffn_gate.weight'" in message and "BF16" in message and "dequantized" in message
 
 
 def test_unread_type_warning_reaches_caplog(variant, tiny_tokenizer_dir, caplog):
@@ -171,15 +179,15 @@ def test_unread_type_warning_reaches_caplog(variant, tiny_tokenizer_dir, caplog)
         LLM(path, tokenizer=tiny_tokenizer_dir, **ENGINE)
     [record] = [r for r in caplog.records if "does not read" in r.getMessage()]
     assert record.levelno == logging.WARNING and record.name == "pyagent_hf.gguf_format"
-    assert "blk.1.ffn_gate.weight" in record.getMessage() and "Q5_0" in record.getMessage()
+    assert "blk.1.ffn_gate.weight" in record.getMessage() and "BF16" in record.getMessage()
 
 
-def test_mixed_fused_parts_are_logged(variant, tiny_tokenizer_dir, caplog):
+def test_partly_unpacked_fused_weight_is_logged(variant, tiny_tokenizer_dir, caplog):
     _, path = variant
     with caplog.at_level(logging.INFO, logger="pyagent_hf"):
         LLM(path, tokenizer=tiny_tokenizer_dir, **ENGINE)
-    mixed = {r.getMessage().split(":")[0] for r in caplog.records if "mixed encodings" in r.getMessage()}
-    assert mixed == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}
+    floats = {r.getMessage().split(":")[0] for r in caplog.records if "partly unpacked" in r.getMessage()}
+    assert floats == {"model.layers.1.mlp.gate_up_proj.weight"}
 
 
 def test_greedy_outputs_match_the_dequantized_model(models):

@@ -230,7 +230,7 @@ def test_packed_linear_rejects_bytes_that_do_not_fit(encoding, shape, data):
 
 @pytest.mark.parametrize(
     "encoding, shape, match",
-    [("Q8_0", (4, 48), "Q8_0.*48"), ("Q6_K", (2, 128), "Q6_K.*128"), ("Q5_0", (4, 64), "Q5_0"), ("I4_G48", (4, 64), "I4_G48")],
+    [("Q8_0", (4, 48), "Q8_0.*48"), ("Q6_K", (2, 128), "Q6_K.*128"), ("IQ4_XS", (4, 64), "IQ4_XS"), ("I4_G48", (4, 64), "I4_G48")],
 )
 def test_packed_modules_reject_encodings_they_cannot_read(encoding, shape, match):
     packed = PackedWeight(encoding, shape, torch.zeros(shape[0], 40, dtype=torch.uint8), encodings.dequantize, "w")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyagent_framework.interfaces import LayerOps, ModelArchitecture, PackedWeight, layer_ops
+from pyagent_framework.interfaces import LayerOps, ModelArchitecture, PackedParts, PackedWeight, layer_ops
 from pyagent_framework.types import ForwardContext
 
 from .rope import RotaryEmbedding, rope_parameters
@@ -443,18 +443,19 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     def packed_weights(self) -> dict[str, PackedWeight]:
         """The packed weights :meth:`load_weights` kept, by parameter name, each handed
         out once. A fused parameter (``qkv_proj``, ``gate_up_proj``) is one packed weight
-        when all its parts came in one encoding; otherwise its packed parts are
-        dequantized into the parameter, and it is computed from floats."""
+        when all its parts came in one encoding, :class:`PackedParts` when they came in
+        several (a ``_M`` mix's ``v`` in more bits); when only some parts came packed,
+        they are dequantized into the parameter, and it is computed from floats."""
         params = dict(self.named_parameters())
-        out: dict[str, PackedWeight] = {}
+        out: dict[str, PackedWeight | PackedParts] = {}
         for name, parts in self._packed.items():
             param = params[name]
             ordered = [parts[offset] for offset in sorted(parts)]
-            same = len({(p.encoding, p.data.shape[1]) for p in ordered}) == 1
-            if same and sum(p.shape[0] for p in ordered) == param.shape[0]:
-                out[name] = PackedWeight.concat(ordered, name=name)
+            if sum(p.shape[0] for p in ordered) == param.shape[0]:
+                same = len({(p.encoding, p.data.shape[1]) for p in ordered}) == 1
+                out[name] = PackedWeight.concat(ordered, name=name) if same else PackedParts(tuple(ordered), name=name)
                 continue
-            logger.info("%s: parts in mixed encodings or partly unpacked; computed from dequantized floats", name)
+            logger.info("%s: partly unpacked; computed from dequantized floats", name)
             with torch.no_grad():
                 for offset, part in parts.items():
                     param[offset : offset + part.shape[0]].copy_(part.dequantize())
