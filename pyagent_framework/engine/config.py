@@ -48,7 +48,8 @@ def _positive(instance, attribute, value) -> None:
 class EngineConfig:
     """Everything the engine is built from. Registry choices are names."""
 
-    model: str | None = attrs.field(default=None, metadata={"help": "model: 'smollm2' (default), an HF directory or a .gguf file"})
+    model: str | None = attrs.field(default=None, metadata={"help": "model: 'smollm2' (default), an HF directory, a .gguf file or a Hugging Face Hub id org/name[@revision][:QUANT] (the local cache first)"})
+    gguf_file: str | None = attrs.field(default=None, metadata={"help": "the GGUF file of a Hub repo of several (default: the one its :QUANT tag names)"})
     tokenizer: str | None = attrs.field(default=None, metadata={"help": "tokenizer registry name (e.g. hf, tiktoken) or a tokenizer path for 'hf' (default: the model's own)"})
     weight_format: str | None = attrs.field(default=None, metadata={"help": "weight format name (default: detected)"})
     attention_backend: str = attrs.field(default="auto", metadata={"help": "attention backend name; auto: 'native' when pyagent-native is installed, else 'torch'"})

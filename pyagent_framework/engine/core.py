@@ -46,7 +46,7 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = loader.choose_device(config.device)
-        self.model_path = loader.resolve_model(config.model)
+        self.model_path = loader.resolve_model(config.model, config.gguf_file)
         weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
         self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, self.model_path)

@@ -34,7 +34,7 @@ class LLMEngine:
         if config.engine_process:
             self.client = ProcessClient(config, step_timeout=step_timeout, on_dead=on_dead)
             self.core = None
-            model_path = loader.resolve_model(config.model)
+            model_path = loader.resolve_model(config.model, config.gguf_file)
             self.tokenizer, tokenizer_name = setup.load_tokenizer(config, model_path)
         else:
             self.client = InprocClient(config)

