@@ -207,7 +207,15 @@ def build_model(
     architectures = config.get("architectures") or []
     if not architectures:
         raise ConfigError(f"the config of {path} names no architectures", field="model")
-    arch_name = next((a for a in architectures if a in registries.model_architectures), architectures[0])
+    arch_name = next((a for a in architectures if a in registries.model_architectures), None)
+    if arch_name is None:
+        raise ConfigError(
+            f"model {path}: architecture {', '.join(map(str, architectures))} is not supported; the installed plugins "
+            f"register {', '.join(registries.model_architectures.names()) or 'none'}. A plugin adds one through the "
+            "pyagent_register_model_architectures hook: `pyagent plugin new NAME --kind model_architecture` "
+            "scaffolds it (docs/plugins.md)",
+            field="model",
+        )
     arch = load_entry(registries.model_architectures, arch_name, "model")
     backend = load_entry(
         registries.attention_backends, choose_attention_backend(attention_backend, device), "attention_backend"

@@ -1,7 +1,8 @@
-"""Hugging Face Hub ids as models, resolved offline from a cache directory the test
-lays out the way ``huggingface_hub`` does (``models--org--name/refs/<ref>`` holding a
-commit, ``snapshots/<commit>/<files>``). ``HF_HUB_OFFLINE=1`` throughout: nothing
-touches the network."""
+"""Where models come from: Hugging Face Hub ids, resolved offline from a cache
+directory the test lays out the way ``huggingface_hub`` does (``models--org--name/
+refs/<ref>`` holding a commit, ``snapshots/<commit>/<files>``; ``HF_HUB_OFFLINE=1``
+throughout: nothing touches the network), and a checkpoint of an architecture no
+plugin registers."""
 
 from __future__ import annotations
 
@@ -115,3 +116,18 @@ def test_a_local_path_wins_and_takes_no_gguf_file(cache, tmp_path, monkeypatch):
         resolve_model("acme/tiny", gguf_file="x.gguf")
     with pytest.raises(ConfigError, match="neither an embedded model"):
         resolve_model("./no/such/dir/")
+
+
+def test_an_unknown_architecture_lists_the_supported_ones_and_how_to_add_one(tmp_path, llama):
+    import json
+
+    directory = tmp_path / "foo"
+    shutil.copytree(llama, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["FooBarForCausalLM"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as info:
+        LLM(str(directory))
+    message = str(info.value)
+    assert "FooBarForCausalLM is not supported" in message and "LlamaForCausalLM" in message
+    assert "pyagent_register_model_architectures" in message and "--kind model_architecture" in message
