@@ -1,11 +1,14 @@
 """The quantized-weight kernels against their references.
 
-- ``dequantize`` of the GGUF encodings (Q8_0, Q4_0, Q4_1, Q6_K) equals the ``gguf``
-  package's ``gguf.quants.dequantize`` bit for bit; of ours (I8, I4 with groups of 32,
-  64 and 128, any K) a numpy reference written here, bit for bit too.
-- ``quantized_linear`` equals ``x @ dequantize(data).T + bias`` computed in float64,
-  within the worst-case rounding bound of float32 summation (see ``_tolerance``), over
-  random shapes, both instruction-set builds and one or two threads.
+- ``dequantize`` of every GGUF encoding (Q8_0, Q4_0, Q4_1, Q6_K, and test_kquants.py's
+  Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K) equals the ``gguf`` package's
+  ``gguf.quants.dequantize`` bit for bit, special halves in every f16 field included;
+  of ours (I8, I4 with groups of 32, 64 and 128, any K) a numpy reference, bit for bit
+  too (the references and layouts: quant_reference.py, shared with test_kquants.py).
+- ``quantized_linear`` of Q8_0, Q4_0, Q4_1, Q6_K, I8 and I4 equals
+  ``x @ dequantize(data).T + bias`` computed in float64, within the worst-case rounding
+  bound of float32 summation (see ``quant_reference.tolerance``), over random shapes,
+  both instruction-set builds and one or two threads.
 - The padding of I4's last group and whatever follows x in memory are never used.
 - Bad arguments are ValueErrors that name the problem.
 """
@@ -18,71 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyagent_native import _core
-
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType  # noqa: E402
-
-ISAS = sorted({"generic", _core.best_isa()})
-GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q6_K")
-# encoding -> (elements per block, bytes per block, offsets of its f16 fields)
-GGUF_LAYOUT = {"Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q6_K": (256, 210, (208,))}
-
-
-def _halves(rng, shape, scale=0.01):
-    """Finite random halves (as uint8 pairs) of about weight-scale size."""
-    return (rng.standard_normal(shape) * scale).astype(np.float16).view(np.uint8).reshape(*shape[:-1], -1)
-
-
-def random_weight(encoding, n, k, group, rng):
-    """uint8 [n, row bytes]: random codes, finite random scales (and offsets)."""
-    row_bytes = _core.quant_row_bytes(encoding, k, group)
-    data = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
-    if encoding == "I8":
-        data[:, :4] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float32).view(np.uint8)
-        return data
-    if encoding == "I4":
-        block, size, fields = group, 4 + group // 2, (0, 2)
-    else:
-        block, size, fields = GGUF_LAYOUT[encoding]
-    blocks = data.reshape(n, -1, size)
-    for offset in fields:
-        blocks[:, :, offset : offset + 2] = _halves(rng, (n, blocks.shape[1], 1))
-    return data
-
-
-def reference_i8(data, k):
-    scale = data[:, :4].copy().view(np.float32)  # [n, 1]
-    return scale * data[:, 4 : 4 + k].view(np.int8).astype(np.float32)
-
-
-def reference_i4(data, k, group):
-    n = data.shape[0]
-    blocks = data.reshape(n, -1, 4 + group // 2)
-    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)
-    m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)
-    qs = blocks[:, :, 4:]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
-    return (d * q + m).reshape(n, -1)[:, :k]  # float32 ops, separately rounded, as in gguf
-
-
-def reference_dequantize(data, encoding, k, group=0):
-    if encoding == "I8":
-        return reference_i8(data, k)
-    if encoding == "I4":
-        return reference_i4(data, k, group)
-    return gguf_quants.dequantize(data, getattr(GGMLQuantizationType, encoding))
-
-
-def dequantize(data, encoding, k, group=0, isa="auto", threads=1):
-    out = np.empty((data.shape[0], k), np.float32)
-    _core.dequantize(out, data, encoding, group, threads, isa)
-    return out
-
-
-def assert_bits_equal(got, want):
-    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
-    diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
-    assert diff.size == 0, f"{diff.size} of {got.size} differ, first at {np.unravel_index(diff[0], got.shape)}"
+from native.tests.quant_reference import (
+    GGUF,
+    GGUF_LAYOUT,
+    ISAS,
+    assert_bits_equal,
+    check_linear,
+    dequantize,
+    random_weight,
+    reference_dequantize,
+)
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -103,8 +51,9 @@ def test_gguf_dequantize_is_bit_exact(encoding, n, blocks, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("encoding", GGUF)
 def test_gguf_dequantize_special_halves(encoding, isa):
-    """Zeros, subnormals, the extremes of the half range: the portable build converts
-    halves with integer operations, the AVX2 one with F16C; both must be exact."""
+    """Zeros, subnormals, the extremes of the half range in every f16 field (d, and m
+    or dmin), the codes and packed scales random: the portable build converts halves
+    with integer operations, the AVX2 one with F16C; both must be exact."""
     special = np.array(
         [0.0, -0.0, 2.0**-24, -(2.0**-24), 1023 * 2.0**-24, 2.0**-14, 1.0, -1.5, 65504.0, -65504.0, 3.1e-5],
         dtype=np.float16,
@@ -147,52 +96,6 @@ def test_quant_row_bytes():
 # ----------------------------------------------------------------------- quantized_linear
 
 
-def _offsets(data, encoding, k, group):
-    """Per element, the float64 offset the fused kernel splits off: m for Q4_1/I4, -8d
-    for Q4_0, none for the others (their kernels scale a plain sum of code * x)."""
-    if encoding in ("Q4_1", "I4"):
-        block, size, field = (32, 20, 2) if encoding == "Q4_1" else (group, 4 + group // 2, 2)
-    elif encoding == "Q4_0":
-        block, size, field = 32, 18, 0
-    else:
-        return None
-    blocks = data.reshape(data.shape[0], -1, size)
-    value = blocks[:, :, field : field + 2].copy().view(np.float16).astype(np.float64)[:, :, 0]
-    if encoding == "Q4_0":
-        value = -8.0 * value
-    return np.repeat(value, block, axis=1)[:, :k]
-
-
-def _tolerance(x, w, offsets, bias, k):
-    """Worst-case error of float32 sums (gamma_n = n * 2^-24 times the sum of the terms'
-    magnitudes) with n the longest chain of roundings any kernel here takes: K/8 lanes'
-    worth of accumulation plus a few dozen for block sums, folds, horizontal sums, the
-    bias and the weight's own rounding. The terms are |x_k| * |w_k|, except where the
-    kernel splits w into (w - offset) + offset and sums the parts apart."""
-    terms = np.abs(w) if offsets is None else np.abs(w - offsets) + np.abs(offsets)
-    magnitude = np.abs(x) @ terms.T
-    if bias is not None:
-        magnitude = magnitude + np.abs(bias)
-    return (k / 8 + 32) * 2.0**-24 * magnitude
-
-
-def _check_linear(data, encoding, group, x, bias, threads, isa):
-    m, k = x.shape
-    n = data.shape[0]
-    w32 = reference_dequantize(data, encoding, k, group)  # == _core.dequantize, tested above
-    w = w32.astype(np.float64)
-    want = x.astype(np.float64) @ w.T
-    if bias is not None:
-        want = want + bias
-    out = np.full((m, n), np.nan, np.float32)
-    _core.quantized_linear(out, x, data, encoding, group, bias, threads, isa)
-    err = np.abs(out - want)
-    tol = _tolerance(x.astype(np.float64), w, _offsets(data, encoding, k, group), bias, k)
-    worst = np.unravel_index(np.argmax(err - tol), err.shape)
-    assert np.all(err <= tol), f"{encoding} M={m} N={n} K={k}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
-    return out
-
-
 @st.composite
 def linear_cases(draw):
     encoding, group = draw(
@@ -223,7 +126,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(case, m, n, bias, threa
     data = random_weight(encoding, n, k, group, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32) if bias else None
-    _check_linear(data, encoding, group, x, b, threads, isa)
+    check_linear(data, encoding, group, x, b, threads, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -234,7 +137,7 @@ def test_model_shapes(encoding, group, n, k, isa):
     rng = np.random.default_rng(n + k)
     data = random_weight(encoding, n, k, group, rng)
     for m in (1, 4):
-        _check_linear(data, encoding, group, rng.standard_normal((m, k)).astype(np.float32), None, 2, isa)
+        check_linear(data, encoding, group, rng.standard_normal((m, k)).astype(np.float32), None, 2, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -242,7 +145,7 @@ def test_q6_k_model_shape(isa):
     rng = np.random.default_rng(3)
     data = random_weight("Q6_K", 576, 1536, 0, rng)
     for m in (1, 3):
-        _check_linear(data, "Q6_K", 0, rng.standard_normal((m, 1536)).astype(np.float32), None, 2, isa)
+        check_linear(data, "Q6_K", 0, rng.standard_normal((m, 1536)).astype(np.float32), None, 2, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -257,7 +160,7 @@ def test_padding_and_memory_past_x_are_never_used(encoding, group, k, isa):
     buffer = np.full(k + 64, np.nan, np.float32)
     buffer[:k] = rng.standard_normal(k)
     x = buffer[:k].reshape(1, k)
-    first = _check_linear(data, encoding, group, x, None, 1, isa)
+    first = check_linear(data, encoding, group, x, None, 1, isa)
     if encoding == "I4" and k % group:
         size, rest = 4 + group // 2, k % group
         last = data.reshape(n, -1, size)[:, -1, 4:]  # a view: writes go to data
@@ -266,7 +169,7 @@ def test_padding_and_memory_past_x_are_never_used(encoding, group, k, isa):
                 last[:, j] |= 0x0F  # low nibble: element j of the last group
             if j + group // 2 >= rest:
                 last[:, j] |= 0xF0  # high nibble: element j + group/2
-        again = _check_linear(data, encoding, group, x, None, 1, isa)
+        again = check_linear(data, encoding, group, x, None, 1, isa)
         assert_bits_equal(again, first)
 
 

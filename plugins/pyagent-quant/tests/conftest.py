@@ -1,6 +1,8 @@
-"""Shared helpers of the pyagent-quant tests: packed weights in every encoding and a
-writer of tiny llama GGUF files whose tensors are quantized to chosen GGML types
-(with ``pyagent_quant.gguf_encode``, which encodes every type the engine reads).
+"""Shared helpers of the pyagent-quant tests: packed weights in every encoding, our
+decoding of GGUF bytes and the ``gguf`` package's compared bit for bit, a writer of
+tiny llama GGUF files whose tensors are quantized to chosen GGML types (with
+``pyagent_quant.gguf_encode``, which encodes every type the engine reads), and the
+prompts, text and scoring the SmolLM2 tests run.
 
 The tests run with ``--import-mode=importlib``, where a test module cannot import this
 file; the helpers reach them as the session fixture ``quant_helpers``. (The pyagent-hf
@@ -15,6 +17,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import math  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -60,6 +63,40 @@ def random_gguf_bytes(encoding: str, rows: int, columns: int, rng: np.random.Gen
         values = finite_f16(rng, (rows, columns // block), *(scale or ()))
         blocks[..., at : at + 2] = values.view(np.uint8).reshape(rows, columns // block, 2)
     return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def reference(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
+    """The ``gguf`` package's float32 values of GGUF bytes, as a tensor of ``shape``."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(data, GGMLQuantizationType[encoding])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+
+
+def ours(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
+    """``pyagent_quant.encodings.dequantize`` of ``data`` packed as ``encoding``."""
+    from pyagent_framework.interfaces import PackedWeight
+    from pyagent_quant import encodings
+
+    packed = PackedWeight(encoding, shape, torch.from_numpy(np.ascontiguousarray(data)), encodings.dequantize, "w")
+    return encodings.dequantize(packed)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal float32 bit patterns (so -0.0 != 0.0, and no tolerance at all)."""
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+    same = got.view(torch.int32) == want.view(torch.int32)
+    if not bool(same.all()):
+        where = (~same).nonzero()[0].tolist()
+        raise AssertionError(f"{int((~same).sum())} values differ, first at {where}: {got[tuple(where)]} vs {want[tuple(where)]}")
+
+
+def decoded(data: np.ndarray, encoding: str, shape) -> np.ndarray:
+    """The gguf package's values of ``data``, after checking ours are the same bits."""
+    want = reference(data, encoding, shape)
+    assert_same_bits(ours(data, encoding, shape), want)
+    return want.numpy()
 
 
 def gguf_quantize(values: np.ndarray, type_name: str) -> np.ndarray:
@@ -214,6 +251,50 @@ def write_tiny_gguf(path: Path, state: dict[str, torch.Tensor], types: dict[str,
     return path
 
 
+# -- the embedded SmolLM2-135M-Instruct (test_smollm2.py, test_kquant_smollm2.py) -----------
+
+SMOLLM2_ENGINE = dict(kv_cache_memory="128MiB", max_model_len=2048)  # ~2900 tokens of KV (46 KB each): plenty here
+#: A fixed public-domain text (~750 tokens) whose perplexity the tests compare.
+PUBLIC_DOMAIN_TEXT = Path(__file__).parent / "data" / "public_domain.txt"
+SMOLLM2_QUESTIONS = [
+    "Hi",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a KV cache is in a transformer language model.",
+    "Translate 'good morning' into Spanish, French and German, one per line.",
+    "def fib(n):\n    # complete this Python function that returns the n-th Fibonacci number",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react.",
+]
+#: The largest logprob difference allowed between two ways of computing the same
+#: float32 weights (summation orders differ; see test_smollm2.py).
+LOGPROB_TOLERANCE = 1e-4
+
+
+def chat(llm):
+    """Greedy answers (up to 32 tokens, with their logprobs) to the
+    :data:`SMOLLM2_QUESTIONS`, one conversation each."""
+    from pyagent_framework import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)
+    return llm.chat([[{"role": "user", "content": q}] for q in SMOLLM2_QUESTIONS], params)
+
+
+def scored(llm) -> list[float]:
+    """:data:`PUBLIC_DOMAIN_TEXT`'s prompt logprobs: each entry holds the prompt token's
+    own logprob."""
+    from pyagent_framework import SamplingParams
+
+    [out] = llm.generate(PUBLIC_DOMAIN_TEXT.read_text(), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    tokens = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(tokens)
+    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)]
+
+
+def perplexity(logprobs: list[float]) -> float:
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
 @pytest.fixture(scope="session")
 def quant_helpers():
     """The module-level helpers above, for test modules (see the module docstring)."""
@@ -221,12 +302,23 @@ def quant_helpers():
         GGUF_BLOCKS=GGUF_BLOCKS,
         finite_f16=finite_f16,
         random_gguf_bytes=random_gguf_bytes,
+        reference=reference,
+        ours=ours,
+        assert_same_bits=assert_same_bits,
+        decoded=decoded,
         gguf_quantize=gguf_quantize,
         packed_weight=packed_weight,
         TINY_GGUF=TINY_GGUF,
         gguf_name=gguf_name,
         tiny_llama_state=tiny_llama_state,
         write_tiny_gguf=write_tiny_gguf,
+        SMOLLM2_ENGINE=SMOLLM2_ENGINE,
+        PUBLIC_DOMAIN_TEXT=PUBLIC_DOMAIN_TEXT,
+        SMOLLM2_QUESTIONS=SMOLLM2_QUESTIONS,
+        LOGPROB_TOLERANCE=LOGPROB_TOLERANCE,
+        chat=chat,
+        scored=scored,
+        perplexity=perplexity,
     )
 
 

@@ -1,5 +1,8 @@
 """The torch decoders of pyagent_quant.encodings against the ``gguf`` package, bit for
-bit; the I8/I4 quantizers' round-trip error against its derived bound; row_bytes."""
+bit (every GGUF type: Q8_0, Q4_0, Q4_1, Q6_K here, and pyagent_quant.gguf_blocks'
+Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, whose other tests are in
+test_gguf_blocks.py); the I8/I4 quantizers' round-trip error against its derived
+bound; row_bytes."""
 
 from __future__ import annotations
 
@@ -14,36 +17,23 @@ from pyagent_quant import encodings
 
 U32 = 2.0**-24  # float32 unit roundoff
 TINY = 2.0**-150  # half the spacing of float32 subnormals: the absolute rounding error there
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q6_K")
 SHAPES = {  # (rows, columns): one block, several blocks, odd row counts
     "Q8_0": [(1, 32), (3, 64), (7, 96), (16, 256), (5, 1024)],
     "Q4_0": [(1, 32), (3, 64), (7, 96), (16, 256), (5, 1024)],
     "Q4_1": [(1, 32), (3, 64), (7, 96), (16, 256), (5, 1024)],
     "Q6_K": [(1, 256), (3, 512), (7, 768), (2, 2048)],
+    # the types of pyagent_quant.gguf_blocks (test_gguf_blocks.py): 1, 2, 3 and 8 blocks
+    "Q5_0": [(1, 32), (3, 64), (7, 96), (2, 256)],
+    "Q5_1": [(1, 32), (3, 64), (7, 96), (2, 256)],
+    "IQ4_NL": [(1, 32), (3, 64), (7, 96), (2, 256)],
+    "Q2_K": [(1, 256), (3, 512), (7, 768), (2, 2048)],
+    "Q3_K": [(1, 256), (3, 512), (7, 768), (2, 2048)],
+    "Q4_K": [(1, 256), (3, 512), (7, 768), (2, 2048)],
+    "Q5_K": [(1, 256), (3, 512), (7, 768), (2, 2048)],
 }
+GGUF_TYPES = tuple(SHAPES)  # every GGUF type the decoders read
+QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q6_K")  # the others' encoders: test_gguf_blocks.py
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def reference(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    values = dequantize(data, GGMLQuantizationType[encoding])
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
-
-
-def ours(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
-    packed = PackedWeight(encoding, shape, torch.from_numpy(data), encodings.dequantize, "w")
-    return encodings.dequantize(packed)
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal float32 bit patterns (so -0.0 != 0.0, and no tolerance at all)."""
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    same = got.view(torch.int32) == want.view(torch.int32)
-    if not bool(same.all()):
-        where = (~same).nonzero()[0].tolist()
-        raise AssertionError(f"{int((~same).sum())} values differ, first at {where}: {got[tuple(where)]} vs {want[tuple(where)]}")
 
 
 # -- GGUF decoders: bit for bit -----------------------------------------------------------
@@ -51,23 +41,25 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("encoding", GGUF_TYPES)
 def test_gguf_decoders_equal_gguf_package_bit_for_bit(quant_helpers, encoding):
+    h = quant_helpers
     rng = np.random.default_rng(sum(map(ord, encoding)))
     for rows, columns in SHAPES[encoding]:
+        shape = (rows, columns)
         for _ in range(3):  # random f16 bit patterns: subnormals, signed zeros, +-65504
-            data = quant_helpers.random_gguf_bytes(encoding, rows, columns, rng)
-            assert_same_bits(ours(data, encoding, (rows, columns)), reference(data, encoding, (rows, columns)))
-        data = quant_helpers.random_gguf_bytes(encoding, rows, columns, rng, scale=(-0.01, 0.01))  # realistic scales
-        assert_same_bits(ours(data, encoding, (rows, columns)), reference(data, encoding, (rows, columns)))
+            data = h.random_gguf_bytes(encoding, rows, columns, rng)
+            h.assert_same_bits(h.ours(data, encoding, shape), h.reference(data, encoding, shape))
+        data = h.random_gguf_bytes(encoding, rows, columns, rng, scale=(-0.01, 0.01))  # realistic scales
+        h.assert_same_bits(h.ours(data, encoding, shape), h.reference(data, encoding, shape))
 
 
-@pytest.mark.parametrize("encoding", GGUF_TYPES)
+@pytest.mark.parametrize("encoding", QUANTIZED_BY_GGUF)
 def test_gguf_decoders_on_quantized_floats(quant_helpers, encoding):
     """Bytes a quantizer wrote (not only random ones), and they decode near the input."""
     rng = np.random.default_rng(7)
     values = rng.standard_normal((5, 512)).astype(np.float32)
     data = quant_helpers.gguf_quantize(values, encoding)
-    got = ours(data, encoding, values.shape)
-    assert_same_bits(got, reference(data, encoding, values.shape))
+    got = quant_helpers.ours(data, encoding, values.shape)
+    quant_helpers.assert_same_bits(got, quant_helpers.reference(data, encoding, values.shape))
     # A coarse sanity check that the layout is right (a wrong one is off by O(|w|)).
     assert float((got - torch.from_numpy(values)).abs().max()) < 0.3
 
@@ -76,15 +68,16 @@ def test_gguf_decoders_on_quantized_floats(quant_helpers, encoding):
 @HYPOTHESIS
 @given(data=st.data())
 def test_gguf_decoders_hypothesis(quant_helpers, encoding, data):
-    block = quant_helpers.GGUF_BLOCKS[encoding][0]
+    h = quant_helpers
+    block = h.GGUF_BLOCKS[encoding][0]
     rows = data.draw(st.integers(1, 9), label="rows")
     columns = block * data.draw(st.integers(1, 6 if block == 32 else 3), label="blocks")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    raw = quant_helpers.random_gguf_bytes(encoding, rows, columns, np.random.default_rng(seed))
-    assert_same_bits(ours(raw, encoding, (rows, columns)), reference(raw, encoding, (rows, columns)))
+    raw = h.random_gguf_bytes(encoding, rows, columns, np.random.default_rng(seed))
+    h.assert_same_bits(h.ours(raw, encoding, (rows, columns)), h.reference(raw, encoding, (rows, columns)))
 
 
-def test_q6_k_layout_by_hand():
+def test_q6_k_layout_by_hand(quant_helpers):
     """One Q6_K block built value by value in ggml's layout decodes to d * scale * q."""
     rng = np.random.default_rng(3)
     q = rng.integers(-32, 32, 256)
@@ -99,7 +92,7 @@ def test_q6_k_layout_by_hand():
         ql[byte] |= (code & 15) << (4 * (j // 2))
         qh[half * 32 + lane] |= (code >> 4) << (2 * j)
     block = np.concatenate([ql, qh, scales.view(np.uint8), np.array([d]).view(np.uint8)])[None]
-    got = ours(block, "Q6_K", (1, 256))[0]
+    got = quant_helpers.ours(block, "Q6_K", (1, 256))[0]
     want = torch.tensor([float(np.float32(d) * np.float32(scales[i // 16])) * float(q[i]) for i in range(256)])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -221,7 +214,7 @@ def test_i4_round_trip_within_half_a_step(group, columns):
     assert torch.equal(decoded[4], weight[4]) and torch.equal(decoded[5], weight[5])
 
 
-def test_i4_padding_is_never_read():
+def test_i4_padding_is_never_read(quant_helpers):
     """The padding columns of the last block may hold anything: decoding ignores them."""
     weight = torch.randn(4, 40)
     packed = encodings.quantize_i4(weight, 32)
@@ -233,7 +226,7 @@ def test_i4_padding_is_never_read():
     blocks[:, 1, 4 : 4 + 8] ^= 0xF0
     blocks[:, 1, 4 + 8 :] ^= 0xFF
     changed = PackedWeight("I4_G32", (4, 40), blocks.reshape(4, -1), encodings.dequantize)
-    assert_same_bits(encodings.dequantize(changed), before)
+    quant_helpers.assert_same_bits(encodings.dequantize(changed), before)
 
 
 @HYPOTHESIS
@@ -281,29 +274,30 @@ def test_i8_round_trip_across_magnitudes(values, signs):
 
 
 @pytest.mark.parametrize("columns", [1, 33, 99])
-def test_i8_single_row_of_odd_width(columns):
+def test_i8_single_row_of_odd_width(quant_helpers, columns):
     """One I8 row (an embedding lookup of one token, a prefill slice of one row) of a
     column count that is not a multiple of 4."""
     weight = torch.randn(5, columns)
     packed = encodings.quantize_i8(weight)
     full = encodings.dequantize(packed)
-    assert_same_bits(encodings.dequantize(packed.rows(2, 3)), full[2:3])
-    assert_same_bits(encodings.dequantize_rows(packed, torch.tensor([4])), full[4:5])
+    quant_helpers.assert_same_bits(encodings.dequantize(packed.rows(2, 3)), full[2:3])
+    quant_helpers.assert_same_bits(encodings.dequantize_rows(packed, torch.tensor([4])), full[4:5])
 
 
 def test_i4_g32_is_q4_1(quant_helpers):
     """I4_G32 bytes relabelled Q4_1 decode identically (ours and the gguf package's)."""
+    h = quant_helpers
     gen = torch.Generator().manual_seed(5)
     for columns in (32, 64, 256):
         weight = torch.randn(6, columns, generator=gen)
         packed = encodings.quantize_i4(weight, 32)
         as_i4 = encodings.dequantize(packed)
         data = packed.data.numpy()
-        assert_same_bits(ours(data, "Q4_1", (6, columns)), as_i4)
-        assert_same_bits(reference(data, "Q4_1", (6, columns)), as_i4)
+        h.assert_same_bits(h.ours(data, "Q4_1", (6, columns)), as_i4)
+        h.assert_same_bits(h.reference(data, "Q4_1", (6, columns)), as_i4)
     # And the other way: a Q4_1 file's bytes decode as I4_G32.
-    data = quant_helpers.random_gguf_bytes("Q4_1", 3, 96, np.random.default_rng(1))
-    assert_same_bits(ours(data, "I4_G32", (3, 96)), reference(data, "Q4_1", (3, 96)))
+    data = h.random_gguf_bytes("Q4_1", 3, 96, np.random.default_rng(1))
+    h.assert_same_bits(h.ours(data, "I4_G32", (3, 96)), h.reference(data, "Q4_1", (3, 96)))
 
 
 def test_quantize_i4_rejects_other_groups():
@@ -321,13 +315,19 @@ def test_quantize_i4_rejects_other_groups():
         ("Q8_0", 64, 68), ("Q4_0", 96, 54), ("Q4_1", 32, 20), ("Q6_K", 512, 420),
         ("I8", 1, 5), ("I8", 100, 104),
         ("I4_G32", 1, 20), ("I4_G32", 33, 40), ("I4_G64", 100, 72), ("I4_G128", 100, 68), ("I4_G128", 256, 136),
+        ("Q5_0", 64, 44), ("Q5_1", 96, 72), ("IQ4_NL", 32, 18), ("Q2_K", 512, 168), ("Q3_K", 256, 110),
+        ("Q4_K", 768, 432), ("Q5_K", 256, 176),
     ],
 )
 def test_row_bytes(encoding, columns, expected):
     assert encodings.row_bytes(encoding, columns) == expected
 
 
-@pytest.mark.parametrize("encoding, columns", [("Q8_0", 33), ("Q4_0", 1), ("Q4_1", 100), ("Q6_K", 255), ("Q6_K", 32)])
+@pytest.mark.parametrize(
+    "encoding, columns",
+    [("Q8_0", 33), ("Q4_0", 1), ("Q4_1", 100), ("Q6_K", 255), ("Q6_K", 32),
+     ("Q5_0", 33), ("IQ4_NL", 16), ("Q2_K", 128), ("Q4_K", 257), ("Q5_K", 32)],
+)
 def test_row_bytes_rejects_partial_blocks(encoding, columns):
     with pytest.raises(ValueError, match=rf"{encoding}.*{columns}"):
         encodings.row_bytes(encoding, columns)
@@ -351,8 +351,8 @@ def test_dequantize_rejects_bytes_that_do_not_fit():
             encodings.dequantize(PackedWeight("Q8_0", (2, 64), data, encodings.dequantize, "w"))
 
 
-def test_dequantize_rows():
+def test_dequantize_rows(quant_helpers):
     packed = encodings.quantize_i4(torch.randn(10, 70), 64)
     full = encodings.dequantize(packed)
     ids = torch.tensor([[3, 3, 9], [0, 1, 2]])
-    assert_same_bits(encodings.dequantize_rows(packed, ids), full[ids])
+    quant_helpers.assert_same_bits(encodings.dequantize_rows(packed, ids), full[ids])

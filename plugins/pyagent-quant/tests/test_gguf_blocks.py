@@ -1,6 +1,8 @@
-"""The torch decoders of Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K against the ``gguf``
-package, bit for bit; and the encoders of pyagent_quant.gguf_encode: their bytes
-decode (by the package and by us, identically) near the weight they came from."""
+"""pyagent_quant.gguf_blocks' types Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K: kept
+packed, read by rows and row slices (their decoders against the ``gguf`` package, bit
+for bit, and their row sizes are in test_encodings.py with the other types'); and the
+encoders of pyagent_quant.gguf_encode: their bytes decode (by the package and by us,
+identically) near the weight they came from."""
 
 from __future__ import annotations
 
@@ -38,70 +40,16 @@ MAX_BOUND = {
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def reference(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    values = dequantize(data, GGMLQuantizationType[encoding])
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
-
-
-def ours(data: np.ndarray, encoding: str, shape) -> torch.Tensor:
-    packed = PackedWeight(encoding, shape, torch.from_numpy(np.ascontiguousarray(data)), encodings.dequantize, "w")
-    return encodings.dequantize(packed)
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal float32 bit patterns (so -0.0 != 0.0, and no tolerance at all)."""
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
-    same = got.view(torch.int32) == want.view(torch.int32)
-    if not bool(same.all()):
-        where = (~same).nonzero()[0].tolist()
-        raise AssertionError(f"{int((~same).sum())} values differ, first at {where}: {got[tuple(where)]} vs {want[tuple(where)]}")
-
-
-def decoded(data: np.ndarray, encoding: str, shape) -> np.ndarray:
-    """The gguf package's values of ``data``, after checking ours are the same bits."""
-    want = reference(data, encoding, shape)
-    assert_same_bits(ours(data, encoding, shape), want)
-    return want.numpy()
-
-
 def relative_rms(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.sqrt(((got.astype(np.float64) - want) ** 2).mean() / (want.astype(np.float64) ** 2).mean()))
 
 
-# -- decoders: bit for bit ------------------------------------------------------------------
+# -- decoded types ---------------------------------------------------------------------------
 
 
 def test_every_decoded_type_is_kept_packed():
     assert frozenset(NEW_TYPES) == frozenset(gguf_blocks.DECODERS)
     assert encodings.GGUF_ENCODINGS == {"Q8_0", "Q4_0", "Q4_1", "Q6_K", *NEW_TYPES}
-
-
-@pytest.mark.parametrize("encoding", NEW_TYPES)
-def test_decoders_equal_gguf_package_bit_for_bit(quant_helpers, encoding):
-    rng = np.random.default_rng(sum(map(ord, encoding)))
-    block = gguf_blocks.BLOCKS[encoding][0]
-    for rows, blocks in [(1, 1), (3, 2), (7, 3), (2, 8)]:
-        columns = block * blocks
-        for _ in range(3):  # random f16 bit patterns: subnormals, signed zeros, +-65504
-            data = quant_helpers.random_gguf_bytes(encoding, rows, columns, rng)
-            assert_same_bits(ours(data, encoding, (rows, columns)), reference(data, encoding, (rows, columns)))
-        data = quant_helpers.random_gguf_bytes(encoding, rows, columns, rng, scale=(-0.01, 0.01))  # realistic
-        assert_same_bits(ours(data, encoding, (rows, columns)), reference(data, encoding, (rows, columns)))
-
-
-@pytest.mark.parametrize("encoding", NEW_TYPES)
-@HYPOTHESIS
-@given(data=st.data())
-def test_decoders_hypothesis(quant_helpers, encoding, data):
-    block = gguf_blocks.BLOCKS[encoding][0]
-    rows = data.draw(st.integers(1, 9), label="rows")
-    columns = block * data.draw(st.integers(1, 6 if block == 32 else 3), label="blocks")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    raw = quant_helpers.random_gguf_bytes(encoding, rows, columns, np.random.default_rng(seed))
-    assert_same_bits(ours(raw, encoding, (rows, columns)), reference(raw, encoding, (rows, columns)))
 
 
 @pytest.mark.parametrize("encoding", NEW_TYPES)
@@ -111,24 +59,9 @@ def test_dequantize_rows_and_row_slices(quant_helpers, encoding):
     packed = PackedWeight(encoding, (6, columns), torch.from_numpy(data), encodings.dequantize, "w")
     full = encodings.dequantize(packed)
     ids = torch.tensor([[5, 0, 5], [2, 3, 1]])
-    assert_same_bits(encodings.dequantize_rows(packed, ids), full[ids])
-    assert_same_bits(encodings.dequantize(packed.rows(2, 4)), full[2:4])
+    quant_helpers.assert_same_bits(encodings.dequantize_rows(packed, ids), full[ids])
+    quant_helpers.assert_same_bits(encodings.dequantize(packed.rows(2, 4)), full[2:4])
     assert encodings.dequantize(packed.rows(3, 3)).shape == (0, columns)
-
-
-@pytest.mark.parametrize(
-    "encoding, columns, expected",
-    [("Q5_0", 64, 44), ("Q5_1", 96, 72), ("IQ4_NL", 32, 18), ("Q2_K", 512, 168), ("Q3_K", 256, 110),
-     ("Q4_K", 768, 432), ("Q5_K", 256, 176)],
-)
-def test_row_bytes_of_new_types(encoding, columns, expected):
-    assert encodings.row_bytes(encoding, columns) == expected
-
-
-@pytest.mark.parametrize("encoding, columns", [("Q5_0", 33), ("IQ4_NL", 16), ("Q2_K", 128), ("Q4_K", 257), ("Q5_K", 32)])
-def test_row_bytes_of_new_types_rejects_partial_blocks(encoding, columns):
-    with pytest.raises(ValueError, match=rf"{encoding}.*{columns}"):
-        encodings.row_bytes(encoding, columns)
 
 
 # -- encoders ---------------------------------------------------------------------------------
@@ -140,19 +73,20 @@ def test_encoder_list():
 
 @pytest.mark.parametrize("encoding", ENCODED)
 @pytest.mark.parametrize("magnitude", [0.02, 1.0, 30.0])
-def test_encoder_round_trip_error(encoding, magnitude):
+def test_encoder_round_trip_error(quant_helpers, encoding, magnitude):
     """Random normal weights: the relative RMS error is below the measured bound, whatever
     their magnitude, and our decoder reads the bytes as the gguf package does."""
     weight = (np.random.default_rng(11).standard_normal((64, 1024)) * magnitude).astype(np.float32)
     data = quantize_gguf(weight, encoding)
     assert data.dtype == np.uint8 and data.shape == (64, encodings.row_bytes(encoding, 1024))
-    error = relative_rms(decoded(data, encoding, weight.shape), weight)
+    error = relative_rms(quant_helpers.decoded(data, encoding, weight.shape), weight)
     assert error < RMS_BOUND[encoding], f"{encoding}: relative RMS error {error:.4f}"
 
 
-def test_k_quants_beat_the_legacy_types_of_their_size():
+def test_k_quants_beat_the_legacy_types_of_their_size(quant_helpers):
     """Per-sub-block scales and minimums, fitted, code better than one scale per 32."""
     weight = np.random.default_rng(12).standard_normal((32, 1024)).astype(np.float32)
+    decoded = quant_helpers.decoded
     error = {e: relative_rms(decoded(quantize_gguf(weight, e), e, weight.shape), weight) for e in ENCODED}
     assert error["Q4_K"] < error["Q4_1"] < error["Q4_0"]
     assert error["IQ4_NL"] < error["Q4_0"]
@@ -172,29 +106,29 @@ def test_legacy_encoders_are_the_gguf_package_byte_for_byte(encoding):
 
 
 @pytest.mark.parametrize("encoding", ENCODED)
-def test_zero_rows_and_blocks_round_trip_to_zero(encoding):
+def test_zero_rows_and_blocks_round_trip_to_zero(quant_helpers, encoding):
     block = 256 if encoding.endswith("_K") else 32
     weight = np.random.default_rng(14).standard_normal((4, 3 * block)).astype(np.float32)
     weight[1] = 0
     weight[2, block : 2 * block] = 0
-    values = decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
+    values = quant_helpers.decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
     assert not values[1].any() and not values[2, block : 2 * block].any()
     assert relative_rms(values, weight) < RMS_BOUND[encoding]
 
 
 @pytest.mark.parametrize("encoding", ENCODED)
-def test_constant_blocks(encoding):
+def test_constant_blocks(quant_helpers, encoding):
     """A block of one value (either sign) is coded within its type's precision."""
     block = 256 if encoding.endswith("_K") else 32
     weight = np.repeat(np.float32([[0.3], [-0.3], [5.0]]), 2 * block, axis=1)
-    values = decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
+    values = quant_helpers.decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
     np.testing.assert_allclose(values, weight, rtol=MAX_BOUND[encoding])
 
 
 @pytest.mark.parametrize("encoding", ENCODED)
 @HYPOTHESIS
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 4), blocks=st.integers(1, 3))
-def test_encoder_hypothesis(encoding, seed, rows, blocks):
+def test_encoder_hypothesis(quant_helpers, encoding, seed, rows, blocks):
     """Each block of 256 values at its own magnitude (1e-3..1e3) and offset: every value
     decodes within MAX_BOUND of the block's largest magnitude."""
     rng = np.random.default_rng(seed)
@@ -202,7 +136,7 @@ def test_encoder_hypothesis(encoding, seed, rows, blocks):
     spread = 10.0 ** rng.uniform(-3, 3, (rows, blocks, 1))
     offset = rng.choice([0.0, 0.0, 1.0, -2.0], (rows, blocks, 1)) * spread
     weight = (rng.standard_normal((rows, blocks, 256)) * spread + offset).astype(np.float32).reshape(rows, columns)
-    values = decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
+    values = quant_helpers.decoded(quantize_gguf(weight, encoding), encoding, weight.shape)
     error = np.abs(values - weight).reshape(rows, blocks, 256).max(-1)
     peak = np.abs(weight).reshape(rows, blocks, 256).max(-1)
     assert (error <= MAX_BOUND[encoding] * peak).all(), float((error / peak).max())

@@ -25,28 +25,13 @@ Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; ``ffn_down`` (1536 columns) keeps Q4_K
 from __future__ import annotations
 
 import importlib.metadata
-import math
 from pathlib import Path
 
 import pytest
-from pyagent_framework import LLM, SamplingParams
+from pyagent_framework import LLM
 from pyagent_quant.gguf_file import requantize, tensor_type
 from pyagent_quant.linear import PackedEmbedding, PackedLinear, PackedPartsLinear
 
-ENGINE = dict(kv_cache_memory="128MiB", max_model_len=2048)
-TEXT = Path(__file__).parent / "data" / "public_domain.txt"
-QUESTIONS = [
-    "Hi",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a KV cache is in a transformer language model.",
-    "Translate 'good morning' into Spanish, French and German, one per line.",
-    "def fib(n):\n    # complete this Python function that returns the n-th Fibonacci number",
-    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react.",
-]
-CHAT = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)
-TOLERANCE = 1e-4
 # mix -> (the linears' types, the largest share of the float32 model's memory)
 MIXES = {
     "Q4_K_M": ({"Q5_0", "Q4_K", "Q6_K", "Q8_0"}, 0.30),
@@ -81,24 +66,10 @@ def model_bytes(llm: LLM) -> int:
 
 
 @pytest.fixture(scope="module")
-def fp32():
-    llm = LLM(None, quantization="none", **ENGINE)
+def fp32(quant_helpers):
+    llm = LLM(None, quantization="none", **quant_helpers.SMOLLM2_ENGINE)
     yield llm
     llm.close()
-
-
-def chat(llm: LLM):
-    return llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], CHAT)
-
-
-def scored(llm: LLM) -> list[float]:
-    [out] = llm.generate(TEXT.read_text(), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-    tokens = out.prompt_token_ids
-    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)]
-
-
-def perplexity(logprobs: list[float]) -> float:
-    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def test_mix_types_follow_llama_cpp(files):
@@ -114,11 +85,12 @@ def test_mix_types_follow_llama_cpp(files):
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_requantized_file_runs_packed_and_matches_its_dequantized_self(files, fp32, mix):
+def test_requantized_file_runs_packed_and_matches_its_dequantized_self(quant_helpers, files, fp32, mix):
+    h = quant_helpers
     path, _ = files[mix]
     want_types, share = MIXES[mix]
-    packed = LLM(str(path), **ENGINE)
-    dequantized = LLM(str(path), quantization="none", **ENGINE)
+    packed = LLM(str(path), **h.SMOLLM2_ENGINE)
+    dequantized = LLM(str(path), quantization="none", **h.SMOLLM2_ENGINE)
     try:
         model = packed.engine.core.model
         linears = [
@@ -133,17 +105,17 @@ def test_requantized_file_runs_packed_and_matches_its_dequantized_self(files, fp
         print(f"\nSmolLM2 {mix}: model memory {ratio * 100:.1f}% of float32")
         assert ratio <= share
 
-        want, got = chat(dequantized), chat(packed)
+        want, got = h.chat(dequantized), h.chat(packed)
         worst = 0.0
-        for question, a, b in zip(QUESTIONS, want, got, strict=True):
+        for question, a, b in zip(h.SMOLLM2_QUESTIONS, want, got, strict=True):
             assert b.outputs[0].token_ids == a.outputs[0].token_ids, question
             for token, step_a, step_b in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
                 worst = max(worst, abs(step_a[token].logprob - step_b[token].logprob))
         print(f"SmolLM2 {mix} packed vs dequantized: largest logprob difference {worst:.2e}")
-        assert worst <= TOLERANCE
+        assert worst <= h.LOGPROB_TOLERANCE
         assert sum(len(o.outputs[0].token_ids) for o in want) > 150
         if mix == "Q4_K_M":
-            base, ppl = perplexity(scored(fp32)), perplexity(scored(packed))
+            base, ppl = h.perplexity(h.scored(fp32)), h.perplexity(h.scored(packed))
             print(f"SmolLM2 perplexity: float32 {base:.4f}, Q4_K_M {ppl:.4f} ({(ppl / base - 1) * 100:+.2f}%)")
             assert ppl <= base * 1.25  # measured +20.2%: the Q5_0 fallback, see the module docstring
     finally:
@@ -151,7 +123,7 @@ def test_requantized_file_runs_packed_and_matches_its_dequantized_self(files, fp
         dequantized.close()
 
 
-def test_k_quants_where_they_fit_stay_within_3_percent_perplexity(fp32, tmp_path):
+def test_k_quants_where_they_fit_stay_within_3_percent_perplexity(quant_helpers, fp32, tmp_path):
     """Q4_K_M's types on every matrix whose rows take k-quant blocks (``ffn_down``: Q4_K,
     Q6_K in the layers the mix gives more bits), the others kept as the file stores
     them: perplexity within +5% of float32 (measured: +3.5%; +3.1% with Q4_K on all
@@ -165,9 +137,10 @@ def test_k_quants_where_they_fit_stay_within_3_percent_perplexity(fp32, tmp_path
     path = tmp_path / "smollm2-ffn-down-k.gguf"
     types = requantize(embedded_gguf(), path, "Q4_K_M", choose=choose)
     assert {n for n, t in types.items() if t in ("Q4_K", "Q6_K")} == {f"blk.{i}.ffn_down.weight" for i in range(30)}
-    with LLM(str(path), **ENGINE) as packed:
+    h = quant_helpers
+    with LLM(str(path), **h.SMOLLM2_ENGINE) as packed:
         downs = {layer.mlp.down_proj.packed.encoding for layer in packed.engine.core.model.model.layers}
         assert downs == {"Q4_K", "Q6_K"}
-        base, ppl = perplexity(scored(fp32)), perplexity(scored(packed))
+        base, ppl = h.perplexity(h.scored(fp32)), h.perplexity(h.scored(packed))
     print(f"\nSmolLM2 perplexity: float32 {base:.4f}, ffn_down in Q4_K/Q6_K {ppl:.4f} ({(ppl / base - 1) * 100:+.2f}%)")
     assert ppl <= base * 1.05

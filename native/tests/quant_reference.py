@@ -1,0 +1,157 @@
+"""What test_quant.py and test_kquants.py share: the block layouts of the GGUF
+encodings, random packed weights, the references ``dequantize`` is held to (the
+``gguf`` package; numpy for I8/I4), and the float32 rounding bound ``quantized_linear``
+is held to.
+
+A plain module, not collected: the tests import it as ``native.tests.quant_reference``
+(the repository root is on the path, ``pythonpath = ["."]`` in pyproject.toml), as the
+tests in tests/ import ``tests.tiny_models``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyagent_native import _core
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+ISAS = sorted({"generic", _core.best_isa()})
+# encoding -> (elements per block, bytes per block, offsets of its f16 fields)
+GGUF_LAYOUT = {
+    "Q8_0": (32, 34, (0,)),
+    "Q4_0": (32, 18, (0,)),
+    "Q4_1": (32, 20, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q5_0": (32, 22, (0,)),
+    "Q5_1": (32, 24, (0, 2)),
+    "IQ4_NL": (32, 18, (0,)),
+    "Q2_K": (256, 84, (80, 82)),
+    "Q3_K": (256, 110, (108,)),
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+}
+GGUF = tuple(GGUF_LAYOUT)
+
+
+def _halves(rng, shape, scale=0.01):
+    """Finite random halves (as uint8 pairs) of about weight-scale size."""
+    return (rng.standard_normal(shape) * scale).astype(np.float16).view(np.uint8).reshape(*shape[:-1], -1)
+
+
+def random_weight(encoding, n, k, group, rng):
+    """uint8 [n, row bytes]: random codes (and packed scale bytes), finite random f16
+    fields (scales, offsets, minimums); I8's f32 scale likewise."""
+    row_bytes = _core.quant_row_bytes(encoding, k, group)
+    data = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    if encoding == "I8":
+        data[:, :4] = (rng.standard_normal((n, 1)) * 0.01).astype(np.float32).view(np.uint8)
+        return data
+    if encoding == "I4":
+        block, size, fields = group, 4 + group // 2, (0, 2)
+    else:
+        block, size, fields = GGUF_LAYOUT[encoding]
+    blocks = data.reshape(n, -1, size)
+    for offset in fields:
+        blocks[:, :, offset : offset + 2] = _halves(rng, (n, blocks.shape[1], 1))
+    return data
+
+
+def reference_i8(data, k):
+    scale = data[:, :4].copy().view(np.float32)  # [n, 1]
+    return scale * data[:, 4 : 4 + k].view(np.int8).astype(np.float32)
+
+
+def reference_i4(data, k, group):
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, 4 + group // 2)
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, :, 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+    return (d * q + m).reshape(n, -1)[:, :k]  # float32 ops, separately rounded, as in gguf
+
+
+def reference_dequantize(data, encoding, k, group=0):
+    if encoding == "I8":
+        return reference_i8(data, k)
+    if encoding == "I4":
+        return reference_i4(data, k, group)
+    return gguf_quants.dequantize(data, getattr(GGMLQuantizationType, encoding))
+
+
+def dequantize(data, encoding, k, group=0, isa="auto", threads=1):
+    out = np.empty((data.shape[0], k), np.float32)
+    _core.dequantize(out, data, encoding, group, threads, isa)
+    return out
+
+
+def assert_bits_equal(got, want):
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+    diff = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+    assert diff.size == 0, f"{diff.size} of {got.size} differ, first at {np.unravel_index(diff[0], got.shape)}"
+
+
+# ----------------------------------------------------------------------- quantized_linear
+
+
+def _half(blocks, offset):
+    """[n, blocks] float64: the f16 field at `offset` of every block."""
+    return blocks[:, :, offset : offset + 2].copy().view(np.float16).astype(np.float64)[:, :, 0]
+
+
+def offsets(data, encoding, k, group=0):
+    """Per element, the float64 offset a fused kernel splits off and multiplies with a
+    sum of x: m (Q4_1, I4, Q5_1), -8d (Q4_0), -dmin * min (Q2_K, Q4_K, Q5_K); none for
+    the others, whose kernels scale plain sums of (signed) code * x."""
+    n = data.shape[0]
+    if encoding in ("Q4_0", "Q4_1", "Q5_1", "I4"):
+        block, size, _ = (group, 4 + group // 2, None) if encoding == "I4" else GGUF_LAYOUT[encoding]
+        blocks = data.reshape(n, -1, size)
+        value = -8.0 * _half(blocks, 0) if encoding == "Q4_0" else _half(blocks, 2)
+        return np.repeat(value, block, axis=1)[:, :k]
+    if encoding == "Q2_K":
+        blocks = data.reshape(n, -1, GGUF_LAYOUT[encoding][1])
+        mins = (blocks[:, :, :16] >> 4).astype(np.float64)  # [n, blocks, 16]
+        value = _half(blocks, 82)[:, :, None] * mins
+        return -np.repeat(value.reshape(n, -1), 16, axis=1)
+    if encoding in ("Q4_K", "Q5_K"):
+        blocks = data.reshape(n, -1, GGUF_LAYOUT[encoding][1])
+        _, mins = gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, :, 4:16]).reshape(-1, 12))
+        value = _half(blocks, 2)[:, :, None] * mins.reshape(n, -1, 8).astype(np.float64)
+        return -np.repeat(value.reshape(n, -1), 32, axis=1)
+    return None
+
+
+def tolerance(x, w, offsets, bias, k):
+    """Worst-case error of float32 sums (gamma_n = n * 2^-24 times the sum of the terms'
+    magnitudes) with n the longest chain of roundings any kernel here takes: K/8 lanes'
+    worth of accumulation plus a few dozen for block sums, folds, horizontal sums, the
+    bias and the weight's own rounding. The terms are |x_k| * |w_k|, except where the
+    kernel splits w into (w - offset) + offset and sums the parts apart."""
+    terms = np.abs(w) if offsets is None else np.abs(w - offsets) + np.abs(offsets)
+    magnitude = np.abs(x) @ terms.T
+    if bias is not None:
+        magnitude = magnitude + np.abs(bias)
+    return (k / 8 + 32) * 2.0**-24 * magnitude
+
+
+def check_linear(data, encoding, group, x, bias, threads, isa):
+    """``quantized_linear`` against ``x @ w.T + bias`` in float64, w the reference's
+    dequantized weight (== ``_core.dequantize``, tested bit for bit in test_quant.py),
+    within :func:`tolerance`. Returns the kernel's output."""
+    m, k = x.shape
+    n = data.shape[0]
+    w = reference_dequantize(data, encoding, k, group).astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    if bias is not None:
+        want = want + bias
+    out = np.full((m, n), np.nan, np.float32)
+    _core.quantized_linear(out, x, data, encoding, group, bias, threads, isa)
+    err = np.abs(out - want)
+    tol = tolerance(x.astype(np.float64), w, offsets(data, encoding, k, group), bias, k)
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"{encoding} M={m} N={n} K={k}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+    return out
