@@ -186,9 +186,10 @@ import torch
 from pyagent_framework import LLM, SamplingParams
 import pyagent_framework.engine.llm_engine  # imports done before the baseline
 before = rss()
-llm = LLM(sys.argv[1] or None, quantization=sys.argv[2] or None, kv_cache_memory="16MiB", max_model_len=256)
+llm = LLM(sys.argv[1] or None, quantization=sys.argv[2] or None, kv_cache_memory="16MiB", max_model_len=256,
+          engine_process=False)  # the model in this process, where its bytes and RSS can be read
 llm.generate(["Hello"], SamplingParams(max_tokens=2))
-model = llm.engine.model
+model = llm.engine.core.model
 held = {}
 for t in list(model.parameters()) + list(model.buffers()):
     held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
