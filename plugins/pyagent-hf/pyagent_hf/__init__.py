@@ -2,7 +2,8 @@
 
 Registers (see :mod:`pyagent_hf.plugin`): the tokenizer ``hf``, the weight formats
 ``safetensors`` and ``gguf``, and the model architectures ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``. Importing this
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``GraniteForCausalLM`` and ``Olmo2ForCausalLM``. Importing this
 package imports nothing heavy; each entry is loaded lazily by name.
 """
 

@@ -10,7 +10,14 @@ from pyagent_framework import hookimpl
 # The pyagent_framework plugin API versions this plugin works with.
 PYAGENT_API = ">=1.0,<2"
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+)
 
 
 @hookimpl

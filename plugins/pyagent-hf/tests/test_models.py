@@ -82,7 +82,40 @@ CASES = [
         "Qwen3Config",
         dict(head_dim=16, max_position_embeddings=256, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
     ),
+    (
+        "granite",
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078, logits_scaling=8.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "granite-scale-bias",
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        # An attention scale far from 1/sqrt(head_dim), so a wrong softmax scale shows.
+        dict(
+            embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.9, logits_scaling=0.5,
+            attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        ),
+    ),
+    ("olmo2", "Olmo2ForCausalLM", "Olmo2Config", dict(tie_word_embeddings=False, eos_token_id=1, pad_token_id=None)),
+    (
+        "olmo2-bias-tied-gqa1",
+        "Olmo2ForCausalLM",
+        "Olmo2Config",
+        dict(
+            attention_bias=True, tie_word_embeddings=True, num_key_value_heads=1, eos_token_id=1, pad_token_id=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1000.0),
+        ),
+    ),
 ]
+
+ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+)
 
 
 def load_architecture(name: str):
@@ -272,7 +305,7 @@ def test_dynamic_rope_past_max_position_embeddings():
 
 
 def test_registered_by_pyagent_hf():
-    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for name in ARCHITECTURES:
         assert registries.model_architectures.get(name).provider.distribution == "pyagent-hf"
 
 
@@ -290,7 +323,7 @@ def test_linear_layers_are_plain_and_fused():
     assert type(ours.lm_head) is torch.nn.Linear
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_unknown_or_misshapen_weight_raises(arch):
     model = load_architecture(arch)({**BASE, "head_dim": 16}, registries.attention_backends.load("torch"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.rope_scale\.weight"):

@@ -1,4 +1,6 @@
-"""The Llama family decoder (Llama, Mistral, Qwen2, Qwen3) as a plain ``nn.Module``.
+"""The Llama family decoder (Llama, Mistral, Qwen2, Qwen3) as a plain ``nn.Module``;
+Granite and OLMo 2 (``granite.py``, ``olmo2.py``) are variants built on its hooks
+(``_attention_scale``, ``_make_layer``, ``_embed``, ``attention_cls``).
 
 One readable implementation in the style of gpt-fast / nano-vllm; the architectures
 differ only in which projections carry a bias, Qwen3's per-head q/k RMSNorm and their
@@ -90,6 +92,7 @@ class Attention(nn.Module):
         qk_norm: bool,
         rms_norm_eps: float,
         sliding_window: int | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -105,11 +108,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
+        # The softmax scale: 1/sqrt(head_dim) unless the architecture sets its own.
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
         if sliding_window is None:
-            self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+            self.attn = attention_backend(num_heads, head_dim, num_kv_heads, self.scale)
         else:
             try:
-                self.attn = attention_backend(num_heads, head_dim, num_kv_heads, head_dim**-0.5, sliding_window=sliding_window)
+                self.attn = attention_backend(num_heads, head_dim, num_kv_heads, self.scale, sliding_window=sliding_window)
             except TypeError as exc:
                 raise ValueError(
                     f"attention backend {attention_backend.__name__} does not take sliding_window, which this "
@@ -218,6 +223,8 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     #: Whether a pure-decode step may run through the attention backend's fused
     #: decoder when it offers one (see :meth:`_fused_decoder`); off: always this forward.
     use_fused_decode: bool = True
+    #: The attention module each layer builds (a variant may subclass :class:`Attention`).
+    attention_cls: ClassVar[type[Attention]] = Attention
 
     def __init__(self, config: Mapping[str, Any], attention_backend: type) -> None:
         super().__init__()
@@ -258,15 +265,13 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
 
         self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope_parameters(self.config))
         layers = [
-            DecoderLayer(
-                Attention(
+            self._make_layer(
+                self.attention_cls(
                     self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend,
                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
-                    sliding_window=window,
+                    sliding_window=window, scale=self._attention_scale(),
                 ),
                 MLP(self.hidden_size, self.intermediate_size, mlp_bias, layer_ops(attention_backend)),
-                self.hidden_size,
-                self.rms_norm_eps,
             )
             for window in self.layer_windows
         ]
@@ -286,6 +291,22 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     def _sliding_window(self, config: Mapping[str, Any]) -> int | None:
         """The configured sliding window, if the architecture has one."""
         return None
+
+    # Hooks for the family's variants (Granite, OLMo 2); Llama's defaults below.
+
+    def _attention_scale(self) -> float | None:
+        """The attention softmax scale; None: ``head_dim ** -0.5``."""
+        return None
+
+    def _make_layer(self, attention: Attention, mlp: MLP) -> nn.Module:
+        """One decoder layer around ``attention`` and ``mlp``, with
+        ``forward(h, residual, cos, sin, kv_cache, context) -> (h, residual)`` as
+        :class:`DecoderLayer` (whose sum is the layer's output)."""
+        return DecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (the residual stream's start)."""
+        return self.model.embed_tokens(input_ids)
 
     def _window_layers(self, config: Mapping[str, Any]) -> list[bool]:
         """Which layers use the sliding window when the config has no ``layer_types``."""
@@ -314,7 +335,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, self._token_seq_lens(context, positions), dtype=x.dtype)
         fused = self._fused_decoder() if context is not None else None
         if fused is not None and fused(x, cos, sin, context.kv_caches, context.metadata):
@@ -361,7 +382,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
                     "head_dim": self.head_dim,
                     "intermediate_size": self.intermediate_size,
                     "eps": self.rms_norm_eps,
-                    "scale": self.head_dim**-0.5,
+                    "scale": layers[0].self_attn.scale,
                 }
                 self._fused = fuse(described, shape) or False
         return self._fused or None

@@ -1,0 +1,85 @@
+"""Olmo2ForCausalLM: post-norms instead of pre-norms, q/k RMSNorm over the whole projection."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pyagent_framework.types import ForwardContext
+
+from .llama import MLP, Attention, DecoderSpec, LlamaForCausalLM, RMSNorm
+
+
+class Olmo2Attention(Attention):
+    """Llama's attention with ``q_norm``/``k_norm``: RMSNorm over the whole q
+    (``num_heads * head_dim``) and k (``num_kv_heads * head_dim``) projection output,
+    not per head (Qwen3's), before RoPE. Built with ``qk_norm=False``; the norms are
+    made here."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["qk_norm"] = False
+        super().__init__(*args, **kwargs)
+        eps = kwargs["rms_norm_eps"]
+        self.q_norm = RMSNorm(self.q_size, eps, self.ops)
+        self.k_norm = RMSNorm(self.kv_size, eps, self.ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        context: ForwardContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = self.q_norm(qkv[:, : self.q_size].contiguous()).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].contiguous())
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = self.ops.rotary_embedding(q, cos, sin)
+        k = self.ops.rotary_embedding(k, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn.forward(q, k, v, kv_cache, context.metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    """Post-norm block: ``h = h + post_attention_layernorm(attn(h))``, then
+    ``h = h + post_feedforward_layernorm(mlp(h))``; no input norm. Same calling
+    convention as Llama's :class:`~.llama.DecoderLayer`: ``forward(h, residual)``
+    returns ``(mlp branch, residual)`` whose sum is the layer's output (``residual``
+    None for the first layer)."""
+
+    def __init__(self, attention: Olmo2Attention, mlp: MLP, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, attention.ops)
+        self.post_feedforward_layernorm = RMSNorm(hidden_size, eps, attention.ops)
+
+    def forward(self, h, residual, cos, sin, kv_cache, context):
+        stream = h if residual is None else residual + h
+        stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, context))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2 (AllenAI): the Llama decoder with RMSNorm after attention and after the
+    MLP (``post_attention_layernorm``, ``post_feedforward_layernorm``) instead of
+    before them, and ``q_norm``/``k_norm`` over the whole q/k projection output before
+    RoPE; q/k/v/o bias from ``attention_bias``, no MLP bias; config defaults of
+    Olmo2Config (``rms_norm_eps`` 1e-5). The backend's fused decode step (Llama's
+    pre-norm layer) is not used."""
+
+    spec: ClassVar[DecoderSpec] = DecoderSpec(
+        vocab_size=50304,
+        rms_norm_eps=1e-5,
+        mlp_bias_from_config=False,
+    )
+    use_fused_decode = False  # the fused stack computes pre-norm Llama layers
+    attention_cls = Olmo2Attention
+
+    def _make_layer(self, attention: Attention, mlp: MLP) -> Olmo2DecoderLayer:
+        return Olmo2DecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps)
