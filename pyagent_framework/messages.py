@@ -125,8 +125,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
 
 
 class AddRequests(msgspec.Struct, frozen=True, tag=True):
-    """The samples of one request, sent together so that the core schedules them in
-    the same step (the same batch shape, whatever the timing of the messages)."""
+    """Requests (a request's samples; an ``LLM.generate`` call's prompts) sent
+    together so that the core schedules them in the same step (the same batch shape,
+    whatever the timing of the messages)."""
 
     requests: list[AddRequest]
 

@@ -18,7 +18,7 @@ from pyagent_framework import LLM, SamplingParams
 from pyagent_framework.engine import process_client
 from pyagent_framework.engine.core_client import EngineDeadError
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
-from pyagent_framework.messages import AddRequest, Codec, CoreSamplingParams, FromCore, ToCore, UtilityCall
+from pyagent_framework.messages import AddRequest, AddRequests, Codec, CoreSamplingParams, FromCore, ToCore, UtilityCall
 from pyagent_framework.server.process import server_process
 from tests.tiny_models import tiny_checkpoint
 
@@ -166,12 +166,14 @@ def test_a_thousand_requests_cross_the_boundary_and_nothing_is_pickled(path, tmp
     (site / "sitecustomize.py").write_text(NO_PICKLE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("PYAGENT_TEST_FORBID_PICKLE", "1")  # the core process refuses pickle outright
-    encoded = []
+    encoded, added = [], []
     original = Codec.encode
 
     def counting(self, message):
         data = original(self, message)
         encoded.append(type(message).__name__)
+        if isinstance(message, AddRequests):
+            added.extend(request.request_id for request in message.requests)
         return data
 
     monkeypatch.setattr(Codec, "encode", counting)
@@ -194,7 +196,8 @@ def test_a_thousand_requests_cross_the_boundary_and_nothing_is_pickled(path, tmp
     finally:
         llm.close()
     assert llm.engine.client.process.returncode == 0
-    assert encoded.count("AddRequests") == 1000
+    assert len(added) == len(set(added)) == 1000  # one LLM.generate call: every request in one message
+    assert encoded.count("AddRequests") == 1
 
 
 # ---------------------------------------------------------------------- lifecycle

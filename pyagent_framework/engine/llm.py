@@ -91,14 +91,9 @@ class LLM:
         if output_kind is not None:
             param_list = [(p or SamplingParams()).replace(output_kind=output_kind) for p in param_list]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        pending = []
-        try:
-            for request_id, prompt, p in zip(ids, prompts, param_list):
-                pending.append(self.engine.add_request_nowait(request_id, prompt, p, cache_salt=cache_salt, parsers=parsers))
-        except Exception:
-            for request_id, _ in pending:
-                self.engine.abort_request(request_id)
-            raise
+        pending = self.engine.add_requests_nowait(
+            list(zip(ids, prompts, param_list)), cache_salt=cache_salt, parsers=parsers
+        )
         self.engine.wait_added(pending)
         return ids
 

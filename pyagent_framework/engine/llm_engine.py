@@ -76,16 +76,34 @@ class LLMEngine:
     def add_request_nowait(self, request_id: str, prompt, params: SamplingParams | None = None, **options: Any):
         """Queue a request; returns ``(request_id, futures)`` for :meth:`wait_added`
         (a grammar compiles meanwhile)."""
-        state, adds = self.input_processor.process(request_id, prompt, params, self.output_processor, **options)
-        self.output_processor.add(state)
+        [added] = self.add_requests_nowait([(request_id, prompt, params)], **options)
+        return added
+
+    def add_requests_nowait(self, requests: list[tuple[str, Any, SamplingParams | None]], **options: Any):
+        """Queue several requests, every one or none (the first that fails validation
+        raises), in one message to the core, so that its next step sees them all (a
+        batch's composition, and so its float rounding, does not depend on timing).
+        Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
+        processed = [
+            (request_id, *self.input_processor.process(request_id, prompt, params, self.output_processor, **options))
+            for request_id, prompt, params in requests
+        ]
+        for _, state, _ in processed:
+            self.output_processor.add(state)
         try:
-            futures = self.client.add_requests(adds)
+            futures = self.client.add_requests([add for _, _, adds in processed for add in adds])
         except BaseException:
-            self.abort_request(request_id)
+            for request_id, _, _ in processed:
+                self.abort_request(request_id)
             raise
-        for future in futures:  # a grammar that fails to compile ends the request (the core dropped it)
-            future.add_done_callback(lambda done, rid=request_id: self._refused(rid, done))
-        return request_id, futures
+        added, at = [], 0
+        for request_id, _, adds in processed:
+            mine = futures[at : at + len(adds)]
+            at += len(adds)
+            for future in mine:  # a grammar that fails to compile ends the request (the core dropped it)
+                future.add_done_callback(lambda done, rid=request_id: self._refused(rid, done))
+            added.append((request_id, mine))
+        return added
 
     def _refused(self, request_id: str, done: concurrent.futures.Future) -> None:
         error = done.exception()
