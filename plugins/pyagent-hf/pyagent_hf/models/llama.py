@@ -131,19 +131,23 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
-            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q = self.ops.rotary_embedding(q, cos, sin)
-            k = self.ops.rotary_embedding(k, cos, sin)
-        else:
-            # q and k side by side are rotated in one go.
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = self.ops.rotary_embedding(qk, cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = self._rotated_qk(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, context.metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[tokens, heads, head_dim]`` and k ``[tokens, kv heads, head_dim]`` from the
+        fused projection, normed per head where the architecture does (Qwen3), rotated."""
+        num_tokens = qkv.shape[0]
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            return self.ops.rotary_embedding(q, cos, sin), self.ops.rotary_embedding(k, cos, sin)
+        # q and k side by side are rotated in one go.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.ops.rotary_embedding(qk, cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
 
 class MLP(nn.Module):

@@ -7,8 +7,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from pyagent_framework.types import ForwardContext
-
 from .llama import MLP, Attention, DecoderSpec, LlamaForCausalLM, RMSNorm
 
 
@@ -25,24 +23,12 @@ class Olmo2Attention(Attention):
         self.q_norm = RMSNorm(self.q_size, eps, self.ops)
         self.k_norm = RMSNorm(self.kv_size, eps, self.ops)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        context: ForwardContext,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+    def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = qkv.shape[0]
         q = self.q_norm(qkv[:, : self.q_size].contiguous()).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].contiguous())
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = self.ops.rotary_embedding(q, cos, sin)
-        k = self.ops.rotary_embedding(k, cos, sin)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache, context.metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.ops.rotary_embedding(q, cos, sin), self.ops.rotary_embedding(k, cos, sin)
 
 
 class Olmo2DecoderLayer(nn.Module):
