@@ -16,7 +16,7 @@ from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_cache import BlockPool, block_hash, root_hash
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.messages import CoreSamplingParams
-from tests.tiny_models import hf_greedy, hf_model, shared_prefix_prompts, tiny_checkpoint
+from tests.tiny_models import assert_same_greedy, hf_greedy, hf_model, shared_prefix_prompts, tiny_checkpoint
 
 BS = 4
 
@@ -212,12 +212,6 @@ def greedy(llm, prompts, **kwargs):
             for o in llm.generate(prompts, GREEDY, **kwargs)]
 
 
-def assert_same(got, want):
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
-
-
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -231,13 +225,13 @@ def test_greedy_identical_with_caching_on_and_off(llama, shared_prompts, engine_
     reference = hf_model(llama)
     expected = [hf_greedy(reference, p, GREEDY.max_tokens) for p in shared_prompts]
     off = LLM(llama, enable_prefix_caching=False, kv_cache_memory="64MiB", **engine_args)
-    assert_same(greedy(off, shared_prompts), expected)
+    assert_same_greedy(greedy(off, shared_prompts), expected)
 
     on = LLM(llama, kv_cache_memory="64MiB", **engine_args)
     # One request first, so the others find its prefix filed; then all together twice.
-    assert_same(greedy(on, shared_prompts[:1]), expected[:1])
-    assert_same(greedy(on, shared_prompts), expected)
-    assert_same(greedy(on, shared_prompts), expected)
+    assert_same_greedy(greedy(on, shared_prompts[:1]), expected[:1])
+    assert_same_greedy(greedy(on, shared_prompts), expected)
+    assert_same_greedy(greedy(on, shared_prompts), expected)
     stats = on.engine.stats()
     assert stats["prefix_caching"] and stats["prefix_cache_hits"] > 0
     if "num_kv_blocks" in engine_args:
@@ -250,9 +244,9 @@ def test_engine_salts_isolate_tenants(llama, shared_prompts):
     prompt = shared_prompts[0]
     first = greedy(llm, [prompt], cache_salt="tenant-a")
     hits = llm.engine.core.pool.prefix_hits
-    assert_same(greedy(llm, [prompt], cache_salt="tenant-b"), first)
+    assert_same_greedy(greedy(llm, [prompt], cache_salt="tenant-b"), first)
     assert llm.engine.core.pool.prefix_hits == hits  # nothing shared across salts
-    assert_same(greedy(llm, [prompt], cache_salt="tenant-a"), first)
+    assert_same_greedy(greedy(llm, [prompt], cache_salt="tenant-a"), first)
     assert llm.engine.core.pool.prefix_hits > hits
 
 
@@ -289,8 +283,8 @@ def test_engine_with_xxh3_128_and_unknown_hash(llama, shared_prompts):
     reference = hf_model(llama)
     expected = [hf_greedy(reference, p, GREEDY.max_tokens) for p in shared_prompts[:3]]
     llm = LLM(llama, prefix_cache_hash="xxh3_128", kv_cache_memory="64MiB")
-    assert_same(greedy(llm, shared_prompts[:1]), expected[:1])
-    assert_same(greedy(llm, shared_prompts[:3]), expected)
+    assert_same_greedy(greedy(llm, shared_prompts[:1]), expected[:1])
+    assert_same_greedy(greedy(llm, shared_prompts[:3]), expected)
     assert llm.engine.stats()["prefix_cache_hits"] > 0
     with pytest.raises(ConfigError) as info:
         LLM(llama, prefix_cache_hash="md5", kv_cache_memory="64MiB")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -121,6 +122,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+def engine_greedy(llm, prompts, params) -> list[tuple[list[int], list[float]]]:
+    """``llm.generate``'s tokens and each chosen token's logprob (``params`` asks for
+    ``logprobs=0`` or more), in :func:`hf_greedy`'s shape."""
+    results = []
+    for out in llm.generate(prompts, params):
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        results.append((tokens, [entry[t].logprob for entry, t in zip(completion.logprobs, tokens, strict=True)]))
+    return results
+
+
+def assert_same_greedy(got, want, tolerance: float = 1e-4) -> None:
+    """The same tokens as ``want`` (from :func:`hf_greedy`), logprobs within ``tolerance``."""
+    assert len(got) == len(want)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=tolerance)
 
 
 def shared_prefix_prompts() -> list[list[int]]:

@@ -34,6 +34,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tests.tiny_models import assert_same_greedy
+
 import pyagent_native
 import pyagent_native.attention as native_attention
 import pyagent_native.plugin as native_plugin
@@ -507,22 +509,10 @@ def _greedy(llm, prompts, fused: bool = False):
     """Greedy results; by default with the model's own layers, so decodes reach the
     backend's decode kernel (the fused whole-stack step has its own tests)."""
     from pyagent_framework import SamplingParams
+    from tests.tiny_models import engine_greedy
 
     llm.engine.core.model.use_fused_decode = fused
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
-    results = []
-    for out in outputs:
-        completion = out.outputs[0]
-        tokens = completion.token_ids
-        results.append((tokens, [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]))
-    return results
-
-
-def _check(results, expected):
-    assert len(results) == len(expected)
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(results, expected):
-        assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    return engine_greedy(llm, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0))
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -536,8 +526,8 @@ def test_engine_greedy_matches_torch_backend_and_transformers(llama, block_size,
     # The decodes went through the kernel, several sequences per call.
     assert kernel_calls and max(shape[0] for shape in kernel_calls) > 1
     assert [t for t, _ in native_results] == [t for t, _ in torch_results]
-    _check(native_results, expected)
-    _check(torch_results, expected)
+    assert_same_greedy(native_results, expected)
+    assert_same_greedy(torch_results, expected)
 
 
 def test_auto_backend_is_native(llama, kernel_calls):
@@ -549,8 +539,8 @@ def test_auto_backend_is_native(llama, kernel_calls):
     path, prompts, expected = llama
     results = _greedy(LLM(path, kv_cache_memory="64MiB"), prompts)  # attention_backend defaults to "auto"
     assert kernel_calls
-    _check(results, expected)
-    _check(_greedy(LLM(path, kv_cache_memory="64MiB"), prompts, fused=True), expected)
+    assert_same_greedy(results, expected)
+    assert_same_greedy(_greedy(LLM(path, kv_cache_memory="64MiB"), prompts, fused=True), expected)
 
 
 # --------------------------------------------------------------------------- 6. plugin
@@ -600,4 +590,4 @@ def test_engine_sliding_window_matches_transformers(tmp_path):
     reference = hf_model(str(tmp_path))
     expected = [hf_greedy(reference, p, MAX_NEW) for p in prompts]
     for engine_args in ({}, {"attention_backend": "torch"}, {"max_num_batched_tokens": 8}):
-        _check(_greedy(LLM(str(tmp_path), kv_cache_memory="64MiB", **engine_args), prompts), expected)
+        assert_same_greedy(_greedy(LLM(str(tmp_path), kv_cache_memory="64MiB", **engine_args), prompts), expected)

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pyagent_framework import LLM, SamplingParams, registries  # noqa: E402
-from tests.tiny_models import COMMON, hf_greedy, hf_model, save_tokenizer  # noqa: E402
+from tests.tiny_models import COMMON, assert_same_greedy, engine_greedy, hf_greedy, hf_model, save_tokenizer  # noqa: E402
 
 MAX_NEW = 16
 ARCHS = ("granite", "olmo2")
@@ -77,22 +77,6 @@ def reference(request, tmp_path_factory):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
 
 
-def _greedy(llm, prompts):
-    results = []
-    for out in llm.generate(prompts, GREEDY):
-        completion = out.outputs[0]
-        tokens = list(completion.token_ids)
-        results.append((tokens, [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]))
-    return results
-
-
-def _check(results, expected):
-    assert len(results) == len(expected)
-    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(results, expected):
-        assert tokens == want_tokens
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
-
-
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_greedy_matches_transformers_chunked_and_prefix_cached(reference, backend):
     if backend == "native":
@@ -111,9 +95,9 @@ def test_greedy_matches_transformers_chunked_and_prefix_cached(reference, backen
     assert type(attn).__name__ == {"torch": "TorchAttention", "native": "NativeAttention"}[backend]
     assert attn.scale == pytest.approx(0.0078 if arch == "granite" else 16**-0.5)
     # One request first, so the others find its prefix filed; then all together, twice.
-    _check(_greedy(llm, prompts[:1]), expected[:1])
-    _check(_greedy(llm, prompts), expected)
-    _check(_greedy(llm, prompts), expected)
+    assert_same_greedy(engine_greedy(llm, prompts[:1], GREEDY), expected[:1])
+    assert_same_greedy(engine_greedy(llm, prompts, GREEDY), expected)
+    assert_same_greedy(engine_greedy(llm, prompts, GREEDY), expected)
     stats = llm.engine.stats()
     assert stats["prefix_caching"] and stats["prefix_cache_hits"] > 0
 
