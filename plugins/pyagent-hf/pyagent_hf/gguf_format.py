@@ -23,15 +23,7 @@ from typing import Any
 from pyagent_framework.interfaces import PackedWeight, WeightFormat
 
 from pyagent_hf._gguf import GGUFHeader, TensorInfo, is_gguf, read_header
-
-# general.architecture -> (HF architectures entry, HF model_type)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
-# Architectures whose Q/K rows llama.cpp's converter permutes (interleaved rope halves).
-_PERMUTED_QK = {"llama"}
+from pyagent_hf.gguf_arch import ConfigReader, GGUFArch, architectures
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -58,14 +50,15 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 logger = logging.getLogger(__name__)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, or None for a tensor HF has no name for."""
+def hf_tensor_name(gguf_name: str, arch: GGUFArch | None = None) -> str | None:
+    """The HF parameter name of a GGUF tensor (with ``arch``'s own names, when given), or
+    None for a tensor HF has no name for."""
     m = _LAYER_RE.fullmatch(gguf_name)
     if m:
-        part = _PER_LAYER.get(m.group(2))
+        part = (arch.tensors.get(m.group(2)) if arch is not None else None) or _PER_LAYER.get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     base, _, suffix = gguf_name.rpartition(".")
-    part = _TOP_LEVEL.get(base)
+    part = (arch.top_level.get(base) if arch is not None else None) or _TOP_LEVEL.get(base)
     return None if part is None or suffix not in ("weight", "bias") else f"{part}.{suffix}"
 
 
@@ -95,7 +88,8 @@ def dequantize_packed(packed: PackedWeight):
 
 
 class GGUFFormat(WeightFormat):
-    """llama.cpp GGUF files (``llama``, ``qwen2`` and ``qwen3`` architectures)."""
+    """llama.cpp GGUF files of the architectures :func:`~pyagent_hf.gguf_arch.architectures`
+    lists (each family declares its names in a ``GGUFArch``)."""
 
     supports_packed = True
     default_quantization = "gguf"
@@ -116,26 +110,21 @@ class GGUFFormat(WeightFormat):
 
     def _architecture(self, header: GGUFHeader) -> str:
         arch = header.fields.get("general.architecture")
-        if arch not in ARCHITECTURES:
+        known = architectures()
+        if arch not in known:
             raise ValueError(
                 f"GGUF file {header.path!r} has architecture {arch!r}; "
-                f"supported: {', '.join(sorted(ARCHITECTURES))}"
+                f"supported: {', '.join(sorted(known))}"
             )
         return arch
 
     def load_config(self, path: str) -> dict:
         header = self._header(path)
         arch = self._architecture(header)
+        spec = architectures()[arch]
         f = header.fields
-
-        def get(key: str, default: Any = None) -> Any:
-            return f.get(f"{arch}.{key}", default)
-
-        def need(key: str) -> Any:
-            value = get(key)
-            if value is None:
-                raise ValueError(f"GGUF file {header.path!r} lacks the metadata {arch}.{key}")
-            return value
+        reader = ConfigReader(header, arch)
+        get, need = reader.get, reader.need
 
         n_heads = int(need("attention.head_count"))
         n_kv = get("attention.head_count_kv", n_heads)
@@ -155,11 +144,10 @@ class GGUFFormat(WeightFormat):
         else:
             raise ValueError(f"GGUF file {header.path!r}: cannot tell the vocabulary size")
 
-        hf_arch, model_type = ARCHITECTURES[arch]
         rope_theta = float(get("rope.freq_base", 10000.0))
         config: dict[str, Any] = {
-            "architectures": [hf_arch],
-            "model_type": model_type,
+            "architectures": [spec.hf_architecture],
+            "model_type": spec.model_type,
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
             "num_hidden_layers": int(need("block_count")),
@@ -174,15 +162,8 @@ class GGUFFormat(WeightFormat):
             "torch_dtype": "float32",
         }
         head_dim = get("attention.key_length")
-        if head_dim is None and arch == "llama":
-            head_dim = get("rope.dimension_count")  # full rotary: the head size
         if head_dim is not None:
             config["head_dim"] = int(head_dim)
-        if arch == "qwen2":
-            config["attention_bias"] = header.tensor("blk.0.attn_q.bias") is not None
-        elif arch == "llama":
-            config["attention_bias"] = header.tensor("blk.0.attn_q.bias") is not None
-            config["mlp_bias"] = header.tensor("blk.0.ffn_up.bias") is not None
         for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
             value = f.get(f"tokenizer.ggml.{key}")
             if value is not None:
@@ -206,6 +187,8 @@ class GGUFFormat(WeightFormat):
             rope_parameters.update(rope_scaling)
             rope_parameters.pop("type", None)
         config["rope_parameters"] = rope_parameters
+        if spec.config is not None:
+            spec.config(reader, config)
         return config
 
     # -- weights --------------------------------------------------------------------------
@@ -213,11 +196,12 @@ class GGUFFormat(WeightFormat):
     def iter_weights(self, path: str, packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
         header = self._header(path)
         arch = self._architecture(header)
+        spec = architectures()[arch]
         plan: list[tuple[TensorInfo, str]] = []
         for info in header.tensors:
-            if info.name in _SKIPPED:
+            if info.name in _SKIPPED or info.name in spec.skipped:
                 continue
-            hf_name = hf_tensor_name(info.name)
+            hf_name = hf_tensor_name(info.name, spec)
             if hf_name is None:
                 raise ValueError(f"GGUF file {header.path!r}: tensor {info.name!r} has no HF counterpart")
             plan.append((info, hf_name))
@@ -230,6 +214,8 @@ class GGUFFormat(WeightFormat):
         from gguf.quants import dequantize, quant_shape_to_byte_shape
 
         f = header.fields
+        spec = architectures()[arch]
+        permuted = spec.permuted_qk
         n_head = int(f[f"{arch}.attention.head_count"])
         n_kv = f.get(f"{arch}.attention.head_count_kv", n_head)
         n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
@@ -243,12 +229,13 @@ class GGUFFormat(WeightFormat):
             for info, hf_name in plan:
                 qtype = GGMLQuantizationType(info.ggml_type)
                 raw = mm[info.offset : info.offset + info.nbytes]
-                if packed and qtype not in plain and len(info.shape) == 2:
+                converted = spec.convert is not None and (spec.converted is None or spec.converted(hf_name))
+                if packed and qtype not in plain and len(info.shape) == 2 and not converted:
                     if qtype.name in packed:
                         rows = raw.reshape(info.shape[0], -1)
-                        if arch in _PERMUTED_QK and ".attn_q." in info.name:
+                        if permuted and ".attn_q." in info.name:
                             rows = unpermute_qk(rows, n_head)
-                        elif arch in _PERMUTED_QK and ".attn_k." in info.name:
+                        elif permuted and ".attn_k." in info.name:
                             rows = unpermute_qk(rows, n_kv)
                         data = torch.from_numpy(np.array(rows, order="C", copy=True))
                         yield hf_name, PackedWeight(qtype.name, info.shape, data, dequantize_packed, info.name)
@@ -272,11 +259,13 @@ class GGUFFormat(WeightFormat):
                         "which cannot be dequantized"
                     ) from None
                 weights = np.asarray(weights, dtype=np.float32).reshape(info.shape)
-                if arch in _PERMUTED_QK:
+                if permuted:
                     if ".attn_q." in info.name:
                         weights = unpermute_qk(weights, n_head)
                     elif ".attn_k." in info.name:
                         weights = unpermute_qk(weights, n_kv)
+                if converted:
+                    weights = spec.convert(hf_name, weights)
                 yield hf_name, torch.from_numpy(np.array(weights, dtype=np.float32, order="C", copy=True))
         finally:
             del mm

@@ -10,14 +10,15 @@ from pyagent_framework import hookimpl
 # The pyagent_framework plugin API versions this plugin works with.
 PYAGENT_API = ">=1.0,<2"
 
-ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "GraniteForCausalLM",
-    "Olmo2ForCausalLM",
-)
+# HF ``architectures`` name -> the module of pyagent_hf.models that defines it.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
+}
 
 
 @hookimpl
@@ -40,11 +41,11 @@ def pyagent_register_weight_formats(register):
     register(
         "gguf",
         "pyagent_hf.gguf_format:GGUFFormat",
-        description="llama.cpp GGUF file (llama/qwen2/qwen3), dequantized to float32 with HF names",
+        description="llama.cpp GGUF file (the architectures above, by llama.cpp name), packed or dequantized, with HF names",
     )
 
 
 @hookimpl
 def pyagent_register_model_architectures(register):
-    for name in ARCHITECTURES:
-        register(name, f"pyagent_hf.models:{name}", description=f"{name} in plain torch (pyagent attention backends)")
+    for name, module in ARCHITECTURES.items():
+        register(name, f"pyagent_hf.models.{module}:{name}", description=f"{name} in plain torch (pyagent attention backends)")

@@ -117,3 +117,32 @@ def test_native_backend_offers_a_fused_decoder_that_these_models_decline(referen
     monkeypatch.setattr(backend, "fuse_decoder", classmethod(lambda c, layers, shape: called.append(1) or None))
     assert model._fused_decoder() is None
     assert not called
+
+
+# llama.cpp's name and the metadata its converter writes for each architecture.
+GGUF_ARCH = {"granite": "granite", "olmo2": "olmo2"}
+GGUF_METADATA = {
+    "granite": {"attention.scale": 0.0078, "embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0},
+    "olmo2": {},
+}
+
+
+def test_gguf_copy_gives_the_same_tokens(reference, tmp_path):
+    """The checkpoint written to GGUF with llama.cpp's names (gguf's own name map; Q/K
+    rows permuted for Granite as the converter's LlamaModel does) reads back to the
+    same model: the same tokens as transformers on the safetensors copy."""
+    pytest.importorskip("gguf")
+    from tests.tiny_gguf import hf_state, write_gguf
+
+    arch, path, prompts, expected = reference
+    config = _config(arch)
+    gguf_path = write_gguf(
+        tmp_path / f"{arch}.gguf", GGUF_ARCH[arch], config, hf_state(path),
+        permute_qk=arch == "granite", metadata=GGUF_METADATA[arch],
+    )
+    llm = LLM(str(gguf_path), tokenizer=path, max_num_batched_tokens=7, block_size=4, kv_cache_memory="64MiB")
+    model = llm.engine.core.model
+    assert type(model).__name__ == {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}[arch]
+    if arch == "granite":
+        assert (model.embedding_multiplier, model.logits_scaling) == pytest.approx((12.0, 8.0))
+    assert_same_greedy(engine_greedy(llm, prompts, GREEDY), expected)

@@ -10,12 +10,12 @@ ENTRIES = [
     ("tokenizers", "hf", "pyagent_hf.tokenizer:HFTokenizer"),
     ("weight_formats", "safetensors", "pyagent_hf.safetensors_format:SafetensorsFormat"),
     ("weight_formats", "gguf", "pyagent_hf.gguf_format:GGUFFormat"),
-    ("model_architectures", "LlamaForCausalLM", "pyagent_hf.models:LlamaForCausalLM"),
-    ("model_architectures", "MistralForCausalLM", "pyagent_hf.models:MistralForCausalLM"),
-    ("model_architectures", "Qwen2ForCausalLM", "pyagent_hf.models:Qwen2ForCausalLM"),
-    ("model_architectures", "Qwen3ForCausalLM", "pyagent_hf.models:Qwen3ForCausalLM"),
-    ("model_architectures", "GraniteForCausalLM", "pyagent_hf.models:GraniteForCausalLM"),
-    ("model_architectures", "Olmo2ForCausalLM", "pyagent_hf.models:Olmo2ForCausalLM"),
+    ("model_architectures", "LlamaForCausalLM", "pyagent_hf.models.llama:LlamaForCausalLM"),
+    ("model_architectures", "MistralForCausalLM", "pyagent_hf.models.mistral:MistralForCausalLM"),
+    ("model_architectures", "Qwen2ForCausalLM", "pyagent_hf.models.qwen2:Qwen2ForCausalLM"),
+    ("model_architectures", "Qwen3ForCausalLM", "pyagent_hf.models.qwen3:Qwen3ForCausalLM"),
+    ("model_architectures", "GraniteForCausalLM", "pyagent_hf.models.granite:GraniteForCausalLM"),
+    ("model_architectures", "Olmo2ForCausalLM", "pyagent_hf.models.olmo2:Olmo2ForCausalLM"),
 ]
 
 
