@@ -94,8 +94,11 @@ class TorchAttention(AttentionBackend):
     """Paged attention in plain torch (SDPA per prefill, one batched SDPA for decodes).
 
     Built per layer as ``TorchAttention(num_heads, head_size, num_kv_heads, scale,
-    sliding_window=None)``; with a window, a query at position ``p`` sees only the keys
-    at ``p - sliding_window < k <= p`` (Mistral's and transformers' convention).
+    sliding_window=None, logit_softcap=None)``; with a window, a query at position ``p``
+    sees only the keys at ``p - sliding_window < k <= p`` (Mistral's and transformers'
+    convention); with a cap, the scaled scores become ``cap * tanh(scores / cap)``
+    before the mask and softmax (Gemma 2's attention logit soft-capping; SDPA has no
+    such option, so those layers compute their scores explicitly).
     ``forward(query [T, H, D], key [T, KVH, D], value [T, KVH, D], kv_cache [2,
     num_blocks, block_size, KVH, D], metadata) -> [T, H, D]``; see
     :class:`~pyagent_framework.types.AttentionMetadata` for the batch layout. Query head
@@ -110,6 +113,7 @@ class TorchAttention(AttentionBackend):
         scale: float | None = None,
         *,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -123,6 +127,10 @@ class TorchAttention(AttentionBackend):
             raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
         # A query at position p sees the keys at p - sliding_window < k <= p.
         self.sliding_window = None if sliding_window is None else int(sliding_window)
+        if logit_softcap is not None and (isinstance(logit_softcap, bool) or not float(logit_softcap) > 0):
+            raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+        # Scores become logit_softcap * tanh(scores / logit_softcap) before the softmax.
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
 
     # ------------------------------------------------------------------ entry point
 
@@ -240,6 +248,8 @@ class TorchAttention(AttentionBackend):
             kv = kv.to(q.dtype)
         k = kv[0].transpose(1, 2)  # [B, KVH, S, D] (strided view, no copy)
         v = kv[1].transpose(1, 2)
+        if self.logit_softcap is not None:
+            return self._softcapped(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
     def _prefill(
@@ -276,6 +286,16 @@ class TorchAttention(AttentionBackend):
 
     def _sdpa(self, q, k, v, attn_mask=None, is_causal=False) -> torch.Tensor:
         """SDPA with grouped-query attention: q ``[B, H, L, D]``, k/v ``[B, KVH, S, D]``."""
+        if self.logit_softcap is not None:
+            b, h, length, d = q.shape
+            group = self.num_queries_per_kv
+            if is_causal:
+                attn_mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=q.device).tril_()
+            if attn_mask is not None:
+                attn_mask = attn_mask.repeat(group, 1)  # [L, S] -> rows (head in group, token)
+            # The query heads sharing a key/value head become its query rows.
+            out = self._softcapped(q.reshape(b, k.shape[1], group * length, d), k, v, attn_mask)
+            return out.view(b, h, length, d)
         if self.num_queries_per_kv == 1:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale)
         if _HAS_GQA:
@@ -287,6 +307,18 @@ class TorchAttention(AttentionBackend):
         k = k[:, :, None].expand(b, kvh, group, s, d).reshape(b, kvh * group, s, d)
         v = v[:, :, None].expand(b, kvh, group, s, d).reshape(b, kvh * group, s, d)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale)
+
+    def _softcapped(self, q, k, v, mask) -> torch.Tensor:
+        """Attention with soft-capped scores, in transformers' order: ``scale * q.k``,
+        then ``cap * tanh(. / cap)``, then the mask (bool: True is visible; float:
+        added), softmax in float32. q ``[..., L, D]``, k/v ``[..., S, D]``, mask
+        broadcastable to ``[..., L, S]``."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 # --------------------------------------------------------------------------- batch plan

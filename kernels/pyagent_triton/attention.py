@@ -13,7 +13,9 @@ position ``p`` see only the keys at ``p - W < k <= p``.
 Both kernels share one inner loop (:func:`_attend_keys`): an online softmax in
 float32 over a range of key positions, ``tl.dot`` for ``QK^T`` and ``PV``, scores
 kept in base 2 (``exp2``, the scale folded with ``log2(e)``); float32 inputs use
-``tf32x3`` products (about float32 accuracy on tensor cores). Head dims that are not
+``tf32x3`` products (about float32 accuracy on tensor cores). With a logit soft-cap
+(Gemma 2) the scaled scores become ``cap * tanh(score / cap)`` before the mask and
+softmax (``tanh`` written with ``exp2``, saturating to ±1). Head dims that are not
 a power of two are padded to the next one (at least 16, the smallest ``tl.dot``) and
 masked.
 
@@ -94,7 +96,8 @@ def _attend_keys(
     lo,  # first key position to visit
     hi,  # one past the last key position to visit (<= seq_len)
     window,
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); the plain scale with SOFTCAP
+    softcap,  # the logit soft-cap (with SOFTCAP)
     k_cache,
     v_cache,
     table_row,  # pointer to this sequence's row of the block tables
@@ -112,6 +115,7 @@ def _attend_keys(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax of ``q`` over the keys at positions ``lo <= k < hi`` (causal and
     windowed per row); returns the updated ``(acc, m_i, l_i)``."""
@@ -130,6 +134,10 @@ def _attend_keys(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # cap * tanh(scores / cap) with tanh(x) = 1 - 2 / (exp(2x) + 1), then to base 2.
+            tanh = 1.0 - 2.0 / (tl.exp2(scores * (2.0 * 1.4426950408889634 / softcap)) + 1.0)
+            scores = tanh * (softcap * 1.4426950408889634)
 
         visible = (
             k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
@@ -166,6 +174,7 @@ def _decode_kernel(
     seq_lens,
     block_tables,
     qk_scale,
+    softcap,
     window,
     head_dim,
     num_heads,
@@ -192,6 +201,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -220,11 +230,11 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale,
+        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale, softcap,
         k_cache, v_cache, block_tables + seq * stride_table, kv_head,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
 
     if SPLIT_K:
@@ -297,6 +307,7 @@ def _prefill_kernel(
     seq_lens,
     block_tables,
     qk_scale,
+    softcap,
     window,
     head_dim,
     stride_qt,
@@ -321,6 +332,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -356,11 +368,11 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale,
+        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale, softcap,
         k_cache, v_cache, block_tables + seq * stride_table, kv_head,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -412,6 +424,15 @@ def _window(sliding_window: int | None) -> int:
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return min(sliding_window, _NO_WINDOW)
+
+
+def _softcap(logit_softcap: float | None) -> float:
+    """The cap as the kernels take it (0.0: none)."""
+    if logit_softcap is None:
+        return 0.0
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float)) or not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+    return float(logit_softcap)
 
 
 def _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs: int, what: str) -> None:
@@ -483,6 +504,7 @@ def paged_attention_decode(
     scale: float,
     *,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -493,11 +515,12 @@ def paged_attention_decode(
     ``kv_cache``; ``block_tables [B, max_blocks]``. Returns ``[B, H, D]`` in
     ``query.dtype`` (written into ``out`` when given). ``num_splits=None`` asks
     :func:`decode_num_splits`, bounding the context by ``max_blocks * block_size``
-    (no device sync).
+    (no device sync). ``logit_softcap``: scores become ``cap * tanh(score / cap)``.
     """
     num_seqs = query.shape[0] if isinstance(query, torch.Tensor) and query.dim() == 3 else 0
     _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs, "[num_seqs, num_heads, head_dim]")
     window = _window(sliding_window)
+    softcap = _softcap(logit_softcap)
     out = _output(out, query)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -527,7 +550,7 @@ def paged_attention_decode(
 
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, keys, values, out, part_m, part_l, part_acc, seq_lens, block_tables,
-        float(scale) * _LOG2E, window, head_dim, num_heads, num_splits,
+        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim, num_heads, num_splits,
         *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
@@ -536,6 +559,7 @@ def paged_attention_decode(
         BLOCK_D=block_d,
         SPLIT_K=split_k,
         DOT_PRECISION=_dot_precision(query.dtype),
+        SOFTCAP=bool(softcap),
     )  # fmt: skip
     if split_k:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -556,6 +580,7 @@ def paged_attention_prefill(
     *,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of several sequences (varlen) over the cache.
@@ -567,6 +592,7 @@ def paged_attention_prefill(
     already be in ``kv_cache``. Any query length works, 1 included. Returns ``[T, H,
     D]`` in ``query.dtype``. ``max_query_len`` (the longest ``q_len_s``) sizes the
     grid; when ``None`` it is read from ``query_start_loc`` (a device sync).
+    ``logit_softcap``: scores become ``cap * tanh(score / cap)``.
     """
     if not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dim() != 1 or query_start_loc.shape[0] < 1:
         raise ValueError(f"query_start_loc must be a 1-d tensor of num_seqs + 1 offsets, got {_shape(query_start_loc)}")
@@ -577,6 +603,7 @@ def paged_attention_prefill(
     if query_start_loc.device != query.device:
         raise ValueError(f"query_start_loc is on {query_start_loc.device} but query is on {query.device}")
     window = _window(sliding_window)
+    softcap = _softcap(logit_softcap)
     out = _output(out, query)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
@@ -601,7 +628,7 @@ def paged_attention_prefill(
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         query, keys, values, out, query_start_loc, seq_lens, block_tables,
-        float(scale) * _LOG2E, window, head_dim,
+        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim,
         *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
         GROUP=group,
         BLOCK_Q=block_q,
@@ -610,6 +637,7 @@ def paged_attention_prefill(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype),
+        SOFTCAP=bool(softcap),
     )  # fmt: skip
     return out
 
@@ -635,6 +663,7 @@ def paged_attention_prefill_reference(
     scale: float,
     *,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of :func:`paged_attention_prefill` (float32, one sequence at a time)."""
     num_heads = query.shape[1]
@@ -652,6 +681,8 @@ def paged_attention_prefill_reference(
         q = query[start:end].float()  # [L, H, D]
 
         scores = torch.einsum("lhd,shd->hls", q, keys) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         visible = k_pos[None, :] <= q_pos[:, None]
@@ -671,9 +702,11 @@ def paged_attention_decode_reference(
     scale: float,
     *,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of :func:`paged_attention_decode`: a prefill of one token per sequence."""
     one_each = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return paged_attention_prefill_reference(
-        query, kv_cache, one_each, seq_lens, block_tables, scale, sliding_window=sliding_window
+        query, kv_cache, one_each, seq_lens, block_tables, scale, sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )

@@ -63,8 +63,9 @@ class TritonLayerOps(LayerOps):
 
 class TritonAttention(TorchAttention):
     """Paged attention in Triton (see the module docstring). Built per layer as
-    ``TritonAttention(num_heads, head_size, num_kv_heads, scale, sliding_window=None)``
-    with the torch backend's semantics, which is its reference in the tests."""
+    ``TritonAttention(num_heads, head_size, num_kv_heads, scale, sliding_window=None,
+    logit_softcap=None)`` with the torch backend's semantics, which is its reference in
+    the tests."""
 
     layer_ops = TritonLayerOps()
 
@@ -90,9 +91,10 @@ class TritonAttention(TorchAttention):
         if plan.pure_decode:
             return attention.paged_attention_decode(
                 query, kv_cache, metadata.seq_lens, metadata.block_tables, self.scale,
-                sliding_window=self.sliding_window,
+                sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             )
         return attention.paged_attention_prefill(
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, self.scale,
             max_query_len=metadata.max_query_len, sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
         )

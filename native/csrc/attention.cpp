@@ -4,9 +4,11 @@
 //
 // Per work item (one sequence, one key/value head) with G query heads in its group:
 //   1. scores[g][t] = scale * <q_g, k_t>       for t < seq_len, block by block
+//      (then cap * tanh(scores / cap) where a logit soft-cap is set)
 //   2. softmax over t per query head (max-subtracted, exact division at the end)
 //   3. out_g = sum_t p[g][t] * v_t / sum_t p[g][t]
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 
@@ -80,6 +82,11 @@ void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* t
       const float* k = kb + j * token_stride;
       for (int64_t g = 0; g < group; ++g) row[g * count + j] = dot(q + g * D, k, D) * a.scale;
     }
+  }
+  // 1b. soft-capping, in transformers' order: (score / cap), tanh, times cap
+  if (a.logit_softcap > 0.0f) {
+    const float cap = a.logit_softcap;
+    for (int64_t i = 0; i < group * count; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
   }
   // 2. softmax per query head, normalized in place
   for (int64_t g = 0; g < group; ++g) {

@@ -29,6 +29,7 @@ struct DecodeArgs {
   int64_t table_stride;
   int64_t sliding_window;  // > 0: a query at position p sees keys p - window < k <= p
   float scale;
+  float logit_softcap;  // > 0: the scaled scores become cap * tanh(score / cap) (Gemma 2)
 };
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), all C-contiguous float32; for the few

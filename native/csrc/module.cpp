@@ -15,6 +15,7 @@
 namespace py = pybind11;
 
 void bind_decoder(py::module_& m);  // decoder_bindings.cpp
+void bind_moe(py::module_& m);      // moe.cpp
 
 namespace {
 
@@ -23,7 +24,7 @@ using pyagent::bindings::expect_dim;
 
 void paged_decode_attention(py::array out, py::array query, py::array key_cache, py::array value_cache,
                             py::array block_tables, py::array seq_lens, float scale, int num_threads,
-                            const std::string& isa, int64_t sliding_window) {
+                            const std::string& isa, int64_t sliding_window, float logit_softcap) {
   pyagent::DecodeArgs a{};
   a.out = const_cast<float*>(checked<float>(out, "out", 3, true));
   a.query = checked<float>(query, "query", 3);
@@ -41,6 +42,8 @@ void paged_decode_attention(py::array out, py::array query, py::array key_cache,
   a.scale = scale;
   if (sliding_window < 0) throw py::value_error("sliding_window must be >= 0 (0: none)");
   a.sliding_window = sliding_window;
+  if (!(logit_softcap >= 0.0f)) throw py::value_error("logit_softcap must be >= 0 (0: none)");
+  a.logit_softcap = logit_softcap;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
     throw py::value_error("query has " + std::to_string(a.num_heads) + " heads, not a multiple of key_cache's " +
                           std::to_string(a.num_kv_heads) + " key/value heads");
@@ -187,7 +190,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("best_isa", &pyagent::best_isa, "The instruction set the kernels run with here: 'avx2' or 'generic'.");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0,
+        py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0, py::arg("logit_softcap") = 0.0f,
         "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout).");
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
@@ -206,6 +209,7 @@ PYBIND11_MODULE(_core, m) {
         "int8_activations: Q4_0/Q4_1 with one row of x in the AVX2 build round x to int8 per block of 32 "
         "(faster, approximate; see kernels.h).");
   bind_decoder(m);
+  bind_moe(m);
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),
         "Chained sha256 digests of every full block of int64 token ids (the Python path's digests).");
   bind_policy<pyagent::LRUPolicy>(m, "LRUPolicy",

@@ -11,6 +11,7 @@ inherits everything from it except ``decode_attention``, which calls the C++ ker
    are not multiples of 8 and 16, block sizes, lengths, shuffled block tables over a
    pool with spare blocks): the kernel, in every instruction set this CPU runs and on
    1, 2 or 3 threads, equals the torch path within 1e-5;
+   with and without a logit soft-cap (Gemma 2's ``cap * tanh(scores / cap)``);
 2. scores spread over ~80-120 and offset by up to ~300 (softmax stability);
 3. mixed batches through the whole ``forward()`` (prefills, chunked prefills and
    decodes, cache writes) equal the torch backend's, caches included;
@@ -67,6 +68,7 @@ class DecodeCase:
     num_kv_heads: int
     scale: float
     sliding_window: int | None = None
+    logit_softcap: float | None = None
 
     @property
     def num_heads(self) -> int:
@@ -81,11 +83,12 @@ class DecodeCase:
         return DecodeBatch(None, self.block_tables, self.seq_lens, int(self.seq_lens.max()), block_size, "cpu")
 
     def backend(self, cls):
-        return cls(self.num_heads, self.head_size, self.num_kv_heads, self.scale, sliding_window=self.sliding_window)
+        return cls(self.num_heads, self.head_size, self.num_kv_heads, self.scale, sliding_window=self.sliding_window,
+                   logit_softcap=self.logit_softcap)
 
 
 def make_case(*, seq_lens, num_kv_heads, group, head_size, block_size, spare_blocks=3, extra_cols=0,
-              scale_factor=1.0, seed=0, sliding_window=None) -> DecodeCase:
+              scale_factor=1.0, seed=0, sliding_window=None, logit_softcap=None) -> DecodeCase:
     """Random query and cache; each sequence's blocks are drawn from a shuffled pool
     (with ``spare_blocks`` nobody uses), its table row padded with ``-1``."""
     g = torch.Generator().manual_seed(seed)
@@ -105,6 +108,7 @@ def make_case(*, seq_lens, num_kv_heads, group, head_size, block_size, spare_blo
         num_kv_heads=num_kv_heads,
         scale=head_size**-0.5 * scale_factor,
         sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
 
 
@@ -125,6 +129,7 @@ def kernel(case: DecodeCase, *, num_threads=1, isa="auto", block_tables=None) ->
     _core.paged_decode_attention(
         out.numpy(), case.query.numpy(), case.kv_cache[0].numpy(), case.kv_cache[1].numpy(),
         tables.numpy(), case.seq_lens.numpy(), case.scale, num_threads, isa, case.sliding_window or 0,
+        case.logit_softcap or 0.0,
     )
     return out
 
@@ -162,6 +167,8 @@ def decode_cases(draw):
         scale_factor=draw(st.floats(0.25, 2.0)),
         seed=draw(st.integers(0, 2**31 - 1)),
         sliding_window=draw(st.one_of(st.none(), st.integers(1, 40))),
+        # Scores are about N(0, scale_factor**2): caps this small change most of them.
+        logit_softcap=draw(st.one_of(st.none(), st.floats(0.3, 5.0))),
     )
 
 
@@ -325,6 +332,31 @@ def test_forward_matches_torch_backend(seqs, num_decodes, num_kv_heads, group, h
     assert kernel_calls == [(num_decodes, num_heads, head_size)]  # all decodes in one kernel call
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("seqs, num_decodes", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_forward_with_logit_softcap_matches_torch_backend(seqs, num_decodes, sliding_window, isa, kernel_calls):
+    """Gemma 2's attention: soft-capped scores (cap 2, well under the scores' spread),
+    with and without a window, through prefills, chunks and decodes."""
+    num_kv_heads, group, head_size, block_size = 2, 2, 16, 4
+    num_heads = num_kv_heads * group
+    (q, k, v, metadata), cache = _forward_case(
+        seqs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, seed=11,
+    )
+    scale, cap = 1.0, 2.0  # scores ~ N(0, 16): nearly all beyond the cap
+    expected = TorchAttention(num_heads, head_size, num_kv_heads, scale, sliding_window=sliding_window,
+                              logit_softcap=cap).forward(q, k, v, cache.clone(), metadata)
+    uncapped = TorchAttention(num_heads, head_size, num_kv_heads, scale, sliding_window=sliding_window).forward(
+        q, k, v, cache.clone(), dataclasses.replace(metadata))
+    assert (expected - uncapped).abs().max() > 0.1  # the cap changes the result
+    backend = NativeAttention(num_heads, head_size, num_kv_heads, scale, sliding_window=sliding_window,
+                              logit_softcap=cap)
+    backend.isa = isa
+    got = backend.forward(q, k, v, cache.clone(), dataclasses.replace(metadata))
+    assert_close(got, expected)
+    assert kernel_calls == [(num_decodes, num_heads, head_size)]
+
+
 def test_registered_backend_is_native_attention():
     entry = registries.attention_backends.get("native")
     assert entry.provider.distribution == "pyagent-native"
@@ -454,6 +486,8 @@ def test_head_counts_that_do_not_divide(small_case):
         (lambda c: dict(query=c.query[0].numpy()), r"query: expected 3 dimensions, got 2"),
         (lambda c: dict(block_tables=c.block_tables[0].numpy()), r"block_tables: expected 2 dimensions, got 1"),
         (lambda c: dict(num_threads=0), r"num_threads must be >= 1"),
+        (lambda c: dict(logit_softcap=-1.0), r"logit_softcap must be >= 0"),
+        (lambda c: dict(logit_softcap=float("nan")), r"logit_softcap must be >= 0"),
     ],
 )
 def test_mismatched_shapes(small_case, override, match):

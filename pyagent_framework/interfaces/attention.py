@@ -11,8 +11,10 @@ class AttentionBackend(ABC):
 
     Built as ``cls(num_heads, head_size, num_kv_heads, scale)`` once per layer; a layer
     with a sliding window adds ``sliding_window=W`` (then a query at position ``p``
-    sees only keys at ``p - W < k <= p``), so a backend without that keyword serves
-    only models without windows.
+    sees only keys at ``p - W < k <= p``), and a layer with attention logit
+    soft-capping (Gemma 2) adds ``logit_softcap=C`` (then the scaled scores become
+    ``C * tanh(scores / C)`` before the mask and softmax). Each keyword is passed only
+    when set, so a backend without it serves only models that do not use it.
     ``forward`` first writes ``key``/``value`` (``[num_tokens, num_kv_heads,
     head_size]``) into ``kv_cache`` at ``metadata.slot_mapping``, then returns the
     causal attention output ``[num_tokens, num_heads, head_size]`` of ``query`` over
@@ -27,6 +29,13 @@ class AttentionBackend(ABC):
     kv_caches, metadata)``, advances the residual stream ``x`` in place through every
     layer and returns True, or returns False for a batch it does not take (the model
     then runs its own layers).
+
+    Optional: a classmethod ``fuse_experts(experts, hidden, intermediate)`` returning a
+    callable that computes a mixture-of-experts layer's experts (modules with a fused
+    ``gate_up_proj`` and a ``down_proj``) grouped by expert in one call, or None when it
+    cannot read their weights. The callable, given ``(x [T, hidden], expert_ids [T, k],
+    routing_weights [T, k])``, returns each token's routing-weighted sum of its experts'
+    outputs.
 
     Optional: a class attribute ``layer_ops``, a :class:`LayerOps` whose methods the
     models use for the norms, rotary embedding and gated MLP around attention, and the

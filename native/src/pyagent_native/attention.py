@@ -41,6 +41,15 @@ class NativeAttention(TorchAttention):
 
         return FusedDecoder.build(layers, shape)
 
+    @classmethod
+    def fuse_experts(cls, experts: list, hidden: int, intermediate: int):
+        """A callable computing a mixture-of-experts layer's experts grouped by expert
+        in one native call, or None when some expert's weights cannot be read there
+        (see :mod:`pyagent_native.moe`)."""
+        from pyagent_native.moe import NativeExperts
+
+        return NativeExperts.build(experts, hidden, intermediate)
+
     def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch) -> torch.Tensor:
         if kv_cache.device.type != "cpu" or kv_cache.dtype != torch.float32 or query.dtype != torch.float32:
             return super().decode_attention(query, kv_cache, decode)
@@ -57,5 +66,6 @@ class NativeAttention(TorchAttention):
             torch.get_num_threads(),
             self.isa,
             self.sliding_window or 0,
+            self.logit_softcap or 0.0,
         )
         return out
