@@ -34,6 +34,7 @@ def write_gguf(
     metadata: Mapping[str, Any] | None = None,
     convert: Callable[[str, np.ndarray], np.ndarray | None] | None = None,
     names: Mapping[str, str] | None = None,
+    types: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``state`` (HF names, float) as a float32 GGUF file of architecture ``arch``
     (llama.cpp's name, e.g. ``"granite"``).
@@ -43,7 +44,12 @@ def write_gguf(
     - ``metadata``: extra ``{key without the arch prefix: value}`` (a float is written as
       float32, an int as uint32, a bool as bool, a str as string, a list as array);
     - ``convert(hf_name, array)``: the array as the converter stores it (None: as is);
-    - ``names``: HF name -> GGUF name for tensors the name map does not know.
+    - ``names``: HF name -> GGUF name for tensors the name map does not know;
+    - ``types``: GGUF name -> GGML type name (``"Q8_0"``, ``"Q4_K"``, ...) for tensors to
+      write quantized (by ``pyagent_quant.gguf_encode.quantize_gguf``, row by row: a 3-D
+      tensor's rows are its experts' rows); the others are float32.
+
+    A 3-D tensor (:func:`stack_experts`) is written as it is, ``[experts, rows, columns]``.
     """
     import gguf
 
@@ -60,7 +66,8 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+    w.add_rope_dimension_count(int(head_dim * partial))  # the rotated values per head, as llama.cpp's converters
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
     w.add_rope_freq_base(float(theta))
     w.add_tokenizer_model("gpt2")
@@ -91,7 +98,15 @@ def write_gguf(
         if convert is not None:
             changed = convert(name, array)
             array = array if changed is None else changed
-        w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
+        kind = (types or {}).get(gname)
+        if kind is None:
+            w.add_tensor(gname, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            from gguf import GGMLQuantizationType
+            from pyagent_quant.gguf_encode import quantize_gguf
+
+            rows = quantize_gguf(array.reshape(-1, array.shape[-1]), kind)
+            w.add_tensor(gname, rows.reshape(*array.shape[:-1], -1), raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -107,3 +122,27 @@ def hf_state(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     for file in sorted(Path(checkpoint_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
     return state
+
+
+def stack_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each layer's per-expert tensors (``...experts.{e}.<proj>.weight``,
+    Mixtral's ``w1/w2/w3`` or Qwen3-MoE's ``gate_proj/up_proj/down_proj``) stacked into
+    one ``[experts, rows, columns]`` tensor ``...experts.<proj>.weight``, in expert order:
+    the 3-D tensors llama.cpp's converter writes (``ffn_gate_exps``, ...), under the
+    names gguf's name map knows."""
+    import re
+
+    pattern = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        m = pattern.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            groups.setdefault(f"{m.group(1)}.{m.group(3)}.weight", {})[int(m.group(2))] = tensor
+    for name, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{name}: experts {sorted(experts)} are not 0..{len(experts) - 1}")
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out

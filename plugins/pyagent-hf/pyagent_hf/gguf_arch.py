@@ -51,6 +51,27 @@ class ConfigReader:
     def has(self, name: str) -> bool:
         return self.header.tensor(name) is not None
 
+    def values(self, name: str) -> list[float]:
+        """The values of the file's tensor ``name``, flattened (float32, F16 or any type
+        ``gguf`` dequantizes): for the small tensors llama.cpp stores settings in, such as
+        Phi-3's ``rope_factors_long.weight``. A ``ValueError`` names a missing tensor."""
+        import numpy as np
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+        info = self.header.tensor(name)
+        if info is None:
+            raise ValueError(f"GGUF file {self.header.path!r} lacks the tensor {name!r}")
+        qtype = GGMLQuantizationType(info.ggml_type)
+        raw = np.fromfile(self.header.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        if qtype == GGMLQuantizationType.F32:
+            data = raw.view(np.float32)
+        elif qtype == GGMLQuantizationType.F16:
+            data = raw.view(np.float16)
+        else:
+            data = dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, qtype)), qtype)
+        return [float(v) for v in np.asarray(data, dtype=np.float32).reshape(-1)]
+
 
 @dataclass(frozen=True)
 class GGUFArch:
@@ -80,7 +101,7 @@ class GGUFArch:
 
 
 #: Modules holding ``GGUF_ARCHITECTURES: dict[str, GGUFArch]``, imported on first use.
-ARCH_MODULES: tuple[str, ...] = ("pyagent_hf.gguf_llama",)
+ARCH_MODULES: tuple[str, ...] = ("pyagent_hf.gguf_llama", "pyagent_hf.gguf_gemma", "pyagent_hf.gguf_moe", "pyagent_hf.gguf_phi3")
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,6 +10,11 @@ tensors stored in one of them as :class:`PackedWeight`\\s holding the file's byt
 row by row (the Q/K permutation moves whole rows, so it applies to the bytes too).
 Quantized tensors in other types are dequantized as before, with one warning per type
 naming the first such tensor: the quantizer then computes them in float32.
+
+A 3-D expert tensor ``[experts, rows, columns]`` (llama.cpp's ``ffn_gate_exps``,
+``ffn_up_exps``, ``ffn_down_exps``) is read as one 2-D tensor per expert, under the
+per-expert HF name its architecture declares (with :data:`EXPERT` for the index),
+packed or not.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ _PER_LAYER = {
 # Tensors llama.cpp stores that have no HF parameter (precomputed rope frequencies).
 _SKIPPED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: In an HF name of a 3-D GGUF expert tensor (``[experts, rows, columns]``), where the
+#: expert's index goes: the tensor is read as one 2-D tensor per expert.
+EXPERT = "{expert}"
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +68,30 @@ def hf_tensor_name(gguf_name: str, arch: GGUFArch | None = None) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     part = (arch.top_level.get(base) if arch is not None else None) or _TOP_LEVEL.get(base)
     return None if part is None or suffix not in ("weight", "bias") else f"{part}.{suffix}"
+
+
+def _expert_slices(header: GGUFHeader, info: TensorInfo, hf_name: str) -> list[tuple[TensorInfo, str]]:
+    """A 3-D expert tensor ``[experts, rows, columns]`` as one 2-D tensor per expert,
+    named ``hf_name`` with the expert's index for :data:`EXPERT`. Each expert's rows are
+    contiguous bytes in the file (in every GGML type a row is whole blocks), so a slice
+    is the same file region a 2-D tensor of that expert would be, packed or not."""
+    if EXPERT not in hf_name:
+        raise ValueError(
+            f"GGUF file {header.path!r}: tensor {info.name!r} is 3-D {info.shape}, but is not an expert tensor"
+        )
+    experts = info.shape[0]
+    if experts == 0 or info.nbytes % experts:
+        raise ValueError(
+            f"GGUF file {header.path!r}: tensor {info.name!r} of {info.nbytes} bytes does not split into {experts} experts"
+        )
+    size = info.nbytes // experts
+    return [
+        (
+            TensorInfo(f"{info.name}[{e}]", info.dims[:2], info.ggml_type, info.offset + e * size, size),
+            hf_name.replace(EXPERT, str(e)),
+        )
+        for e in range(experts)
+    ]
 
 
 def unpermute_qk(weights, n_head: int):
@@ -204,7 +236,10 @@ class GGUFFormat(WeightFormat):
             hf_name = hf_tensor_name(info.name, spec)
             if hf_name is None:
                 raise ValueError(f"GGUF file {header.path!r}: tensor {info.name!r} has no HF counterpart")
-            plan.append((info, hf_name))
+            if len(info.shape) == 3:
+                plan.extend(_expert_slices(header, info, hf_name))
+            else:
+                plan.append((info, hf_name))
         return self._iter(header, arch, plan, frozenset(packed))
 
     def _iter(self, header: GGUFHeader, arch: str, plan: list[tuple[TensorInfo, str]], packed: frozenset[str]):

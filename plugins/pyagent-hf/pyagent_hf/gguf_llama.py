@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .gguf_arch import ConfigReader, GGUFArch
+from .gguf_moe import MOE_TENSORS, mixtral_config
 
 
 def _llama_config(reader: ConfigReader, config: dict) -> None:
@@ -11,6 +12,11 @@ def _llama_config(reader: ConfigReader, config: dict) -> None:
     config["mlp_bias"] = reader.has("blk.0.ffn_up.bias")
     if "head_dim" not in config and reader.get("rope.dimension_count") is not None:
         config["head_dim"] = int(reader.get("rope.dimension_count"))  # full rotary: the head size
+
+
+def _llama_or_mixtral_config(reader: ConfigReader, config: dict) -> None:
+    _llama_config(reader, config)
+    mixtral_config(reader, config)  # llama.cpp writes Mixtral as "llama" with experts
 
 
 def _qwen2_config(reader: ConfigReader, config: dict) -> None:
@@ -40,7 +46,9 @@ def _olmo2_config(reader: ConfigReader, config: dict) -> None:
 
 
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArch("LlamaForCausalLM", "llama", permuted_qk=True, config=_llama_config),
+    "llama": GGUFArch(
+        "LlamaForCausalLM", "llama", permuted_qk=True, tensors=MOE_TENSORS, config=_llama_or_mixtral_config
+    ),
     "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", config=_qwen2_config),
     "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", config=_qwen3_config),
     # GraniteModel extends the converter's LlamaModel: its Q/K rows are permuted too.

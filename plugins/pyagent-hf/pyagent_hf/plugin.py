@@ -18,6 +18,11 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "MixtralForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
 }
 
 

@@ -4,6 +4,11 @@ A checkpoint is a directory holding ``config.json`` and either ``model.safetenso
 or a sharded ``model.safetensors.index.json`` (whose ``weight_map`` names the shard of
 every tensor), or a single ``.safetensors`` file with a ``config.json`` beside it.
 Tensors are read one at a time with ``safetensors.safe_open``; nothing is unpickled.
+
+A checkpoint whose ``config.json`` has a ``quantization_config`` naming a
+``quant_method`` (GPTQ, AWQ, compressed-tensors, bitsandbytes, ...) stores tensors this
+format cannot read (``qweight``, ``weight_packed``, ...): it declines such a checkpoint,
+so a plugin that reads the method takes it, or the engine says that none does.
 """
 
 from __future__ import annotations
@@ -37,11 +42,24 @@ def _layout(path: str) -> tuple[Path, Path] | None:
     return None
 
 
+def _quant_method(config_path: Path) -> str | None:
+    """The ``quantization_config.quant_method`` of a config.json, or None (also for a
+    file that is no JSON object: ``load_config`` reports that)."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    return str(method) if method else None
+
+
 class SafetensorsFormat(WeightFormat):
     """HF checkpoints stored as safetensors (single file or sharded)."""
 
     def matches(self, path: str) -> bool:
-        return _layout(path) is not None
+        layout = _layout(path)
+        return layout is not None and _quant_method(layout[0]) is None
 
     def _layout(self, path: str) -> tuple[Path, Path]:
         layout = _layout(path)

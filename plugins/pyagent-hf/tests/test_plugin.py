@@ -16,6 +16,11 @@ ENTRIES = [
     ("model_architectures", "Qwen3ForCausalLM", "pyagent_hf.models.qwen3:Qwen3ForCausalLM"),
     ("model_architectures", "GraniteForCausalLM", "pyagent_hf.models.granite:GraniteForCausalLM"),
     ("model_architectures", "Olmo2ForCausalLM", "pyagent_hf.models.olmo2:Olmo2ForCausalLM"),
+    ("model_architectures", "MixtralForCausalLM", "pyagent_hf.models.moe:MixtralForCausalLM"),
+    ("model_architectures", "Qwen3MoeForCausalLM", "pyagent_hf.models.moe:Qwen3MoeForCausalLM"),
+    ("model_architectures", "Phi3ForCausalLM", "pyagent_hf.models.phi3:Phi3ForCausalLM"),
+    ("model_architectures", "Gemma2ForCausalLM", "pyagent_hf.models.gemma:Gemma2ForCausalLM"),
+    ("model_architectures", "Gemma3ForCausalLM", "pyagent_hf.models.gemma:Gemma3ForCausalLM"),
 ]
 
 

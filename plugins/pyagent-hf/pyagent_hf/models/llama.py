@@ -1,6 +1,8 @@
 """The Llama family decoder (Llama, Mistral, Qwen2, Qwen3) as a plain ``nn.Module``;
-Granite and OLMo 2 (``granite.py``, ``olmo2.py``) are variants built on its hooks
-(``_attention_scale``, ``_make_layer``, ``_embed``, ``attention_cls``).
+Granite, OLMo 2, Gemma 2/3, Phi-3, Mixtral and Qwen3-MoE (``granite.py``, ``olmo2.py``,
+``gemma.py``, ``phi3.py``, ``moe.py``) are variants built on its hooks
+(``_attention_scale``, ``_attention_softcap``, ``_make_layer``, ``_make_mlp``, ``_embed``,
+``_check_activation``, ``attention_cls``, ``partial_rotary``).
 
 One readable implementation in the style of gpt-fast / nano-vllm; the architectures
 differ only in which projections carry a bias, Qwen3's per-head q/k RMSNorm and their
@@ -93,6 +95,7 @@ class Attention(nn.Module):
         rms_norm_eps: float,
         sliding_window: int | None = None,
         scale: float | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -110,15 +113,20 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # The softmax scale: 1/sqrt(head_dim) unless the architecture sets its own.
         self.scale = head_dim**-0.5 if scale is None else float(scale)
-        if sliding_window is None:
+        # Optional keywords are passed only when set, so a backend without them still
+        # serves the models that do not use them.
+        options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap}
+        options = {key: value for key, value in options.items() if value is not None}
+        if not options:
             self.attn = attention_backend(num_heads, head_dim, num_kv_heads, self.scale)
         else:
             try:
-                self.attn = attention_backend(num_heads, head_dim, num_kv_heads, self.scale, sliding_window=sliding_window)
+                self.attn = attention_backend(num_heads, head_dim, num_kv_heads, self.scale, **options)
             except TypeError as exc:
+                given = ", ".join(f"{key} ({value})" for key, value in options.items())
                 raise ValueError(
-                    f"attention backend {attention_backend.__name__} does not take sliding_window, which this "
-                    f"model's config sets ({sliding_window}): {exc}"
+                    f"attention backend {attention_backend.__name__} cannot be built with {given}, which this "
+                    f"model's config sets: {exc}"
                 ) from None
 
     def forward(
@@ -229,6 +237,8 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     use_fused_decode: bool = True
     #: The attention module each layer builds (a variant may subclass :class:`Attention`).
     attention_cls: ClassVar[type[Attention]] = Attention
+    #: Whether the attention rotates only part of each head (``partial_rotary_factor``).
+    partial_rotary: ClassVar[bool] = False
 
     def __init__(self, config: Mapping[str, Any], attention_backend: type) -> None:
         super().__init__()
@@ -257,9 +267,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
-        act = value("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported (only 'silu')")
+        self._check_activation(self.config)
         self.layer_windows = self._layer_windows(self.config)
 
         attention_bias = bool(value("attention_bias", spec.attention_bias))
@@ -267,17 +275,19 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         o_bias = spec.o_bias_from_config and attention_bias
         mlp_bias = spec.mlp_bias_from_config and bool(value("mlp_bias", False))
 
-        self.rotary_emb = RotaryEmbedding(self.head_dim, self.max_position_embeddings, rope_parameters(self.config))
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, self.max_position_embeddings, rope_parameters(self.config), partial=self.partial_rotary
+        )
         layers = [
             self._make_layer(
                 self.attention_cls(
                     self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend,
                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
-                    sliding_window=window, scale=self._attention_scale(),
+                    sliding_window=window, scale=self._attention_scale(), logit_softcap=self._attention_softcap(),
                 ),
-                MLP(self.hidden_size, self.intermediate_size, mlp_bias, layer_ops(attention_backend)),
+                self._make_mlp(index, mlp_bias, layer_ops(attention_backend)),
             )
-            for window in self.layer_windows
+            for index, window in enumerate(self.layer_windows)
         ]
         self.model = DecoderModel(
             nn.Embedding(self.vocab_size, self.hidden_size),
@@ -301,6 +311,20 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     def _attention_scale(self) -> float | None:
         """The attention softmax scale; None: ``head_dim ** -0.5``."""
         return None
+
+    def _attention_softcap(self) -> float | None:
+        """The attention logit soft-cap (``cap * tanh(scores / cap)``); None: none."""
+        return None
+
+    def _check_activation(self, config: Mapping[str, Any]) -> None:
+        """A ``ValueError`` unless the config's MLP activation is the one the MLP computes."""
+        act = config.get("hidden_act") or "silu"
+        if act != "silu":
+            raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported (only 'silu')")
+
+    def _make_mlp(self, index: int, bias: bool, ops: LayerOps) -> nn.Module:
+        """Layer ``index``'s feed-forward block (``mlp(h) -> h``); Llama's is :class:`MLP`."""
+        return MLP(self.hidden_size, self.intermediate_size, bias, ops)
 
     def _make_layer(self, attention: Attention, mlp: MLP) -> nn.Module:
         """One decoder layer around ``attention`` and ``mlp``, with
@@ -392,8 +416,8 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         return self._fused or None
 
     def _token_seq_lens(self, context: ForwardContext, positions: torch.Tensor) -> torch.Tensor | None:
-        """Each token's sequence length after this step (only dynamic RoPE needs it)."""
-        if self.rotary_emb.rope_type != "dynamic" or context is None:
+        """Each token's sequence length after this step (only dynamic RoPE and LongRoPE need it)."""
+        if not self.rotary_emb.needs_seq_lens or context is None:
             return None
         md = context.metadata
         query_lens = (md.query_start_loc[1:] - md.query_start_loc[:-1]).to(torch.int64)

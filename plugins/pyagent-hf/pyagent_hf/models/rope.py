@@ -3,7 +3,14 @@
 The engine flattens a batch, so every token carries its own position; cos/sin are
 computed for exactly those positions (once per forward, shared by all layers).
 Frequencies follow transformers' ``modeling_rope_utils`` for the rope types
-``default``, ``linear``, ``dynamic`` (NTK-aware), ``llama3`` and ``yarn``.
+``default``, ``linear``, ``dynamic`` (NTK-aware), ``llama3``, ``yarn`` and
+``longrope`` (Phi-3's short and long per-dimension factors).
+
+Two types depend on the length of the sequence a token belongs to, which a flattened
+batch mixes: ``dynamic`` and ``longrope`` take each token's sequence length after
+this step (``cos_sin(positions, seq_lens)``) and give every token what transformers
+gives a forward over that sequence alone, so a result never depends on what else is
+in the batch.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import torch
 from torch import nn
 
 DEFAULT_THETA = 10_000.0
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# The types whose frequencies depend on each token's sequence length (see cos_sin).
+LENGTH_DEPENDENT_TYPES = ("dynamic", "longrope")
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -27,28 +36,48 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     params["rope_type"] = rope_type
     if params.get("rope_theta") is None:
         params["rope_theta"] = config.get("rope_theta", DEFAULT_THETA)
-    if rope_type in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
-        params["original_max_position_embeddings"] = config.get("max_position_embeddings", 2048)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # As transformers' standardize_rope_params: a top-level
+        # original_max_position_embeddings (Phi-3 keeps it there) wins over the one
+        # inside the rope settings; without either, max_position_embeddings.
+        if config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        elif params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = config.get("max_position_embeddings", 2048)
     return params
 
 
 class RotaryEmbedding(nn.Module):
-    """``cos_sin(positions, seq_lens)`` -> ``(cos, sin)``, each ``[num_tokens, rotary_dim // 2]``;
-    ``apply(x, cos, sin)`` rotates ``x [num_tokens, heads, head_dim]`` (GPT-NeoX layout:
-    the two halves of the head dimension are the pairs, as in transformers)."""
+    """``cos_sin(positions, seq_lens)`` -> ``(cos, sin)``, each ``[num_tokens, rotary_dim // 2]``,
+    for rotating the first ``rotary_dim`` values of each head (GPT-NeoX layout: the two
+    halves of those values are the pairs, as in transformers).
 
-    def __init__(self, head_dim: int, max_position_embeddings: int, params: Mapping[str, Any]) -> None:
+    ``rotary_dim`` is ``int(head_dim * partial_rotary_factor)`` as in transformers; a
+    factor other than 1 is accepted only with ``partial=True``, from a model whose
+    attention rotates part of each head (Phi-3's), else it is a ``ValueError``."""
+
+    def __init__(
+        self, head_dim: int, max_position_embeddings: int, params: Mapping[str, Any], *, partial: bool = False
+    ) -> None:
         super().__init__()
         rope_type = params["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
-        partial = params.get("partial_rotary_factor", 1.0) or 1.0
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} is not supported")
+        factor = params.get("partial_rotary_factor", 1.0) or 1.0
+        if factor != 1.0 and not partial:
+            raise ValueError(f"partial_rotary_factor={factor} is not supported")
+        rotary_dim = int(head_dim * factor)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor={factor} gives {rotary_dim} rotated values of a {head_dim}-value head "
+                "(need an even number from 2 to head_dim)"
+            )
         self.rope_type = rope_type
-        self.dim = head_dim
+        self.head_dim = head_dim
+        #: The number of values rotated at the start of each head (the frequencies' dim).
+        self.rotary_dim = self.dim = rotary_dim
         self.base = float(params["rope_theta"])
         self.max_position_embeddings = int(max_position_embeddings)
         self.factor = float(params["factor"]) if params.get("factor") is not None else 1.0
@@ -62,10 +91,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._llama3(inv_freq, params)
         elif rope_type == "yarn":
             inv_freq, self.attention_scaling = self._yarn(params)
+        elif rope_type == "longrope":
+            inv_freq, self.long_inv_freq, self.attention_scaling = self._longrope(params)
         # A plain float32 attribute, not a buffer: ``model.to(torch.bfloat16)`` must not
         # round the frequencies. Copies per device are made on first use.
         self.inv_freq = inv_freq.float()
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ frequencies
 
@@ -120,6 +151,33 @@ class RotaryEmbedding(nn.Module):
         inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
         return inv_freq, float(attention_factor)
 
+    def _longrope(self, params: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """LongRoPE (transformers' ``_compute_longrope_parameters``): the plain
+        frequencies divided per dimension by ``short_factor`` (a sequence up to
+        ``original_max_position_embeddings`` long) or ``long_factor`` (a longer one), and
+        one attention factor for both: ``attention_factor`` when set, else
+        ``sqrt(1 + ln(s) / ln(original))`` (1 for ``s <= 1``), where ``s`` is ``factor``
+        when set, else ``max_position_embeddings / original``."""
+        self.original_max_position_embeddings = original = int(params["original_max_position_embeddings"])
+        half = self.dim // 2
+        factors = []
+        for key in ("short_factor", "long_factor"):
+            values = params.get(key)
+            if not isinstance(values, (list, tuple)) or len(values) != half:
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else repr(values)
+                raise ValueError(
+                    f"longrope rope_parameters[{key!r}] must list {half} numbers (rotary_dim // 2), got {got}"
+                )
+            factors.append(torch.tensor([float(v) for v in values], dtype=torch.float32))
+        factor = params.get("factor")
+        factor = float(factor) if factor is not None else self.max_position_embeddings / original
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim
+        short, long = (1.0 / (ext * self.base**exponents) for ext in factors)
+        return short, long, float(attention_factor)
+
     def _dynamic_inv_freq(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """Per-token NTK-scaled frequencies ``[num_tokens, dim // 2]``: a token of a
         sequence that is ``seq_len`` long after this step uses the base transformers
@@ -134,25 +192,40 @@ class RotaryEmbedding(nn.Module):
 
     # ------------------------------------------------------------------ use
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        inv_freq = self._inv_freq_on.get(device)
+    @property
+    def needs_seq_lens(self) -> bool:
+        """Whether :meth:`cos_sin` depends on each token's sequence length."""
+        return self.rope_type in LENGTH_DEPENDENT_TYPES
+
+    def _inv_freq(self, device: torch.device, long: bool = False) -> torch.Tensor:
+        inv_freq = self._inv_freq_on.get((device, long))
         if inv_freq is None:
-            inv_freq = self._inv_freq_on[device] = self.inv_freq.to(device)
+            inv_freq = self._inv_freq_on[(device, long)] = (self.long_inv_freq if long else self.inv_freq).to(device)
         return inv_freq
 
     def cos_sin(
         self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` -> ``(cos, sin)`` ``[T, dim // 2]``. ``seq_lens [T]`` (each
-        token's sequence length after this step) matters only for ``dynamic`` rope."""
+        """``positions [T]`` -> ``(cos, sin)`` ``[T, rotary_dim // 2]``. ``seq_lens [T]``
+        (each token's sequence length after this step) matters only for the
+        length-dependent types (:attr:`needs_seq_lens`); without it, the positions are
+        taken as one sequence ``max(positions) + 1`` long, as transformers does.
+
+        ``longrope``: a token uses the long factors when its sequence is longer than
+        ``original_max_position_embeddings`` after this step, the short ones otherwise
+        (transformers' ``dynamic_rope_update``, per sequence instead of per batch)."""
         pos = positions.to(torch.float32)
+        if self.needs_seq_lens and seq_lens is None:
+            seq_lens = (positions.max() + 1).expand_as(positions) if positions.numel() else positions
         if self.rope_type == "dynamic":
-            if seq_lens is None:
-                seq_lens = (positions.max() + 1).expand_as(positions) if positions.numel() else positions
             if positions.numel() and bool((seq_lens > self.max_position_embeddings).any()):
                 freqs = pos[:, None] * self._dynamic_inv_freq(seq_lens).to(pos.device)
             else:
                 freqs = pos[:, None] * self._inv_freq(pos.device)[None, :]
+        elif self.rope_type == "longrope":
+            # A per-token choice, without asking the device which set any token needs.
+            long = (seq_lens > self.original_max_position_embeddings).to(pos.device)[:, None]
+            freqs = pos[:, None] * torch.where(long, self._inv_freq(pos.device, long=True), self._inv_freq(pos.device))
         else:
             freqs = pos[:, None] * self._inv_freq(pos.device)[None, :]
         cos, sin = freqs.cos(), freqs.sin()
