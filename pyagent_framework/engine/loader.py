@@ -169,10 +169,31 @@ def choose_weight_format(path: str, name: str | None):
         fmt = registries.weight_formats.load(entry.name)()
         if fmt.matches(path):
             return fmt
+    method = _quant_method(path)
+    if method is not None:
+        raise ConfigError(
+            f"{path} is quantized with quant_method {method!r} (its config.json's quantization_config), which no "
+            f"installed weight format reads (available: {', '.join(registries.weight_formats.names())})",
+            field="model",
+        )
     raise ConfigError(
         f"no weight format recognizes {path} (available: {', '.join(registries.weight_formats.names())})",
         field="model",
     )
+
+
+def _quant_method(path: str) -> str | None:
+    """The ``quantization_config.quant_method`` of a checkpoint's config.json (in the
+    directory, or beside the file), if any."""
+    import json
+
+    root = Path(path)
+    try:
+        config = json.loads((root if root.is_dir() else root.parent).joinpath("config.json").read_text(encoding="utf-8"))
+        method = config["quantization_config"]["quant_method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(method) if method else None
 
 
 def torch_dtype(name: str):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,22 @@ class PackedWeight:
     - ``decode``: ``decode(packed) -> float32 tensor of shape``. The weight format that
       made the weight supplies it, so a weight can always be turned back into floats.
     - ``name``: the checkpoint's name of the tensor, for messages.
+
+    Optional, for checkpoints whose quantization the encoding holds only with help
+    (pre-quantized GPTQ/AWQ files; both None for GGUF tensors):
+
+    - ``perm``: an int64 tensor ``[columns]``, the order the columns are stored in:
+      stored column ``j`` is the weight's column ``perm[j]`` (GPTQ's act-order keeps the
+      columns of a quantization group apart; stored in group order, each group is a run
+      of consecutive columns). A product takes ``x[..., perm]`` against the stored rows.
+    - ``offsets``: a float32 tensor ``[rows, G]`` added to the decoded values, one per
+      row and run of ``columns / G`` consecutive stored columns (``G`` divides the
+      column count): what a zero point adds that the encoding's own fields cannot
+      hold exactly (an f16 minimum, a symmetric int8 code).
+
+    ``decode`` gives the stored values (stored column order, no offsets);
+    :meth:`dequantize` the weight itself. Code that reads ``data`` directly must apply
+    ``perm`` and ``offsets`` or refuse a weight that has them.
     """
 
     encoding: str
@@ -27,6 +44,8 @@ class PackedWeight:
     data: Any
     decode: Callable[[PackedWeight], Any]
     name: str = ""
+    perm: Any = None
+    offsets: Any = None
 
     def __post_init__(self) -> None:
         if len(self.shape) != 2 or tuple(self.data.shape[:1]) != (self.shape[0],) or self.data.dim() != 2:
@@ -34,20 +53,41 @@ class PackedWeight:
                 f"packed weight {self.name or '?'}: data of shape {tuple(self.data.shape)} does not hold "
                 f"{self.shape[0]} rows of {self.encoding}"
             )
+        rows, columns = self.shape
+        if self.perm is not None and tuple(self.perm.shape) != (columns,):
+            raise ValueError(f"packed weight {self.name or '?'}: perm of shape {tuple(self.perm.shape)}, expected ({columns},)")
+        if self.offsets is not None and (
+            self.offsets.dim() != 2 or self.offsets.shape[0] != rows or not self.offsets.shape[1]
+            or columns % self.offsets.shape[1]
+        ):
+            raise ValueError(
+                f"packed weight {self.name or '?'}: offsets of shape {tuple(self.offsets.shape)} are not "
+                f"[{rows}, G] with G dividing {columns}"
+            )
 
     def dequantize(self) -> Any:
-        """The weight as a float32 tensor of ``shape``."""
-        return self.decode(self)
+        """The weight as a float32 tensor of ``shape`` (offsets added, columns in the
+        weight's own order)."""
+        values = self.decode(self)
+        if self.offsets is not None:
+            values = values + self.offsets.repeat_interleave(self.shape[1] // self.offsets.shape[1], dim=1)
+        if self.perm is not None:
+            stored, values = values, values.new_empty(values.shape)
+            values[:, self.perm] = stored
+        return values
 
     def rows(self, start: int, stop: int) -> PackedWeight:
         """Rows ``start:stop`` (a view of the same bytes)."""
         data = self.data[start:stop]
-        return PackedWeight(self.encoding, (data.shape[0], self.shape[1]), data, self.decode, self.name)
+        offsets = None if self.offsets is None else self.offsets[start:stop]
+        return PackedWeight(self.encoding, (data.shape[0], self.shape[1]), data, self.decode, self.name, self.perm, offsets)
 
     @staticmethod
     def concat(parts: Sequence[PackedWeight], name: str = "") -> PackedWeight:
-        """The rows of ``parts`` one after another; they must share an encoding and a
-        column count (``ValueError`` otherwise)."""
+        """The rows of ``parts`` one after another; they must share an encoding, a
+        column count and a column order (``perm``) (``ValueError`` otherwise). Where any
+        part has ``offsets``, the result has them for every row (zeros for a part
+        without)."""
         import torch
 
         first = parts[0]
@@ -57,8 +97,28 @@ class PackedWeight:
                     f"cannot join packed weights {first.name!r} ({first.encoding}, {first.shape[1]} columns) and "
                     f"{part.name!r} ({part.encoding}, {part.shape[1]} columns)"
                 )
+            same_order = part.perm is first.perm or (
+                part.perm is not None and first.perm is not None and torch.equal(part.perm, first.perm)
+            )
+            if not same_order:
+                raise ValueError(
+                    f"cannot join packed weights {first.name!r} and {part.name!r}: their columns are stored in "
+                    "different orders (perm)"
+                )
         data = torch.cat([p.data for p in parts]) if len(parts) > 1 else first.data
-        return PackedWeight(first.encoding, (data.shape[0], first.shape[1]), data, first.decode, name or first.name)
+        offsets = None
+        counts = {p.offsets.shape[1] for p in parts if p.offsets is not None}
+        if counts:
+            # Every part's offsets repeated to the finest runs (each count divides the columns, so does their lcm).
+            count = math.lcm(*counts)
+            offsets = torch.cat([
+                p.offsets.repeat_interleave(count // p.offsets.shape[1], dim=1) if p.offsets is not None
+                else torch.zeros(p.shape[0], count, dtype=torch.float32)
+                for p in parts
+            ])
+        return PackedWeight(
+            first.encoding, (data.shape[0], first.shape[1]), data, first.decode, name or first.name, first.perm, offsets
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +128,8 @@ class PackedParts:
     are ``Q4_K``, as llama.cpp's ``_M`` mixes do. ``parts`` are the row ranges in order,
     each a :class:`PackedWeight` of the same column count; the weight is their rows one
     after another. A quantizer that reads every part's encoding computes each part as
-    stored; :meth:`dequantize` gives the floats for any other."""
+    stored (with the part's own ``perm`` and ``offsets``); :meth:`dequantize` gives the
+    floats for any other."""
 
     parts: tuple[PackedWeight, ...]
     name: str = ""

@@ -5,6 +5,11 @@ native core's fused dequantize-GEMV/GEMM, which reads each packed byte once; lar
 inputs (prefill) are compute-bound, so the weight is dequantized a slice of rows at a
 time and multiplied by torch's GEMM. Without the native core both run on the torch
 decoders of :mod:`pyagent_quant.encodings`.
+
+A weight with a column order (``PackedWeight.perm``, GPTQ act-order) takes
+``x[..., perm]``; one with ``offsets`` (zero points the encoding cannot hold exactly)
+adds ``offsets`` times the sums of x over each run of columns. Neither is known to the
+native core's fused decoder, so such a layer offers it no operand.
 """
 
 from __future__ import annotations
@@ -52,10 +57,17 @@ class PackedLinear(torch.nn.Module):
                 f"bytes, got {packed.data.dtype} {tuple(packed.data.shape)}"
             )
         if not packed.data.is_contiguous():
-            packed = PackedWeight(packed.encoding, packed.shape, packed.data.contiguous(), packed.decode, packed.name)
+            packed = PackedWeight(
+                packed.encoding, packed.shape, packed.data.contiguous(), packed.decode, packed.name,
+                packed.perm, packed.offsets,
+            )
             self.packed = packed
         # The packed bytes are a buffer: they follow the module in state_dict and .to().
         self.register_buffer("data", packed.data, persistent=False)
+        self.register_buffer("perm", None if packed.perm is None else packed.perm.to(torch.int64), persistent=False)
+        self.register_buffer(
+            "offsets", None if packed.offsets is None else packed.offsets.float().contiguous(), persistent=False
+        )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.encoding, self.group = encodings.kernel_encoding(packed.encoding)
         # Decode-sized Q4_0/Q4_1 products with x rounded to int8 per block of 32 (native
@@ -73,11 +85,14 @@ class PackedLinear(torch.nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, encoding={self.packed.encoding}, "
             f"bias={self.bias is not None}, native={self.native}"
             + (", int8_activations=True" if self.int8_activations else "")
+            + (", perm=True" if self.perm is not None else "")
+            + (f", offsets={self.offsets.shape[1]}" if self.offsets is not None else "")
         )
 
     def native_operand(self) -> dict | None:
-        """How the native core's fused decoder reads this layer, or None without the core."""
-        if not self.native:
+        """How the native core's fused decoder reads this layer, or None without the
+        core or for a weight with a column order or offsets (which it does not apply)."""
+        if not self.native or self.perm is not None or self.offsets is not None:
             return None
         return {
             "data": self._data_array,
@@ -88,12 +103,25 @@ class PackedLinear(torch.nn.Module):
         }
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Float32 weight rows ``start:stop``."""
-        part = self.packed.rows(start, self.out_features if stop is None else stop)
+        """Float32 weight rows ``start:stop`` (columns in the weight's own order)."""
+        stored = self._stored(start, stop)
+        if self.perm is None:
+            return stored
+        out = torch.empty_like(stored)
+        out[:, self.perm] = stored
+        return out
+
+    def _stored(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Float32 rows ``start:stop`` as stored: columns in stored order, offsets added."""
+        stop = self.out_features if stop is None else stop
+        part = self.packed.rows(start, stop)
         if not self.native:
-            return encodings.dequantize(part)
-        out = torch.empty(part.shape, dtype=torch.float32)
-        _core.dequantize(out.numpy(), part.data.numpy(), self.encoding, self.group, torch.get_num_threads())
+            out = encodings.dequantize(part)
+        else:
+            out = torch.empty(part.shape, dtype=torch.float32)
+            _core.dequantize(out.numpy(), part.data.numpy(), self.encoding, self.group, torch.get_num_threads())
+        if self.offsets is not None:
+            out += self.offsets[start:stop].repeat_interleave(self.in_features // self.offsets.shape[1], dim=1)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +129,8 @@ class PackedLinear(torch.nn.Module):
             return self.forward(x.float()).to(x.dtype)
         rows = x.numel() // self.in_features if self.in_features else 0
         flat = x.reshape(rows, self.in_features)
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm.to(flat.device))
         if self.native and 0 < rows <= self.max_rows and x.device.type == "cpu" and not x.requires_grad:
             flat = flat.contiguous()
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
@@ -108,26 +138,31 @@ class PackedLinear(torch.nn.Module):
                 out.numpy(), flat.detach().numpy(), self._data_array, self.encoding, self.group,
                 self._bias_array, torch.get_num_threads(), "auto", self.int8_activations,
             )
+            if self.offsets is not None:
+                # Each offset multiplies the sum of x over its run of stored columns.
+                sums = flat.reshape(rows, self.offsets.shape[1], -1).sum(dim=-1)
+                out += sums @ self.offsets.T
             return out.view(*x.shape[:-1], self.out_features)
         out = torch.empty(rows, self.out_features, dtype=torch.float32, device=x.device)
         for start in range(0, self.out_features, _SLICE):
             stop = min(start + _SLICE, self.out_features)
             bias = None if self.bias is None else self.bias[start:stop]
-            out[:, start:stop] = F.linear(flat, self.dequantize(start, stop).to(x.device), bias)
+            out[:, start:stop] = F.linear(flat, self._stored(start, stop).to(x.device), bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedPartsLinear(torch.nn.Module):
     """``x @ W.T + bias`` for a weight whose row ranges are packed in different
     encodings (:class:`PackedParts`: a fused q/k/v whose v a ``_M`` GGUF mix keeps in
-    more bits). Neighbouring parts in one encoding are joined; each range is a
+    more bits). Neighbouring parts in one encoding and column order are joined; each range is a
     :class:`PackedLinear`, computed as stored, and writes its columns of the output."""
 
     def __init__(self, weight: PackedParts, bias: torch.Tensor | None = None, **options) -> None:
         super().__init__()
         runs: list[list[PackedWeight]] = []
         for part in weight.parts:
-            if runs and runs[-1][-1].encoding == part.encoding:
+            last = runs[-1][-1] if runs else None
+            if last is not None and last.encoding == part.encoding and _same_order(last, part):
                 runs[-1].append(part)
             else:
                 runs.append([part])
@@ -161,12 +196,20 @@ class PackedPartsLinear(torch.nn.Module):
         return out
 
 
+def _same_order(a: PackedWeight, b: PackedWeight) -> bool:
+    if a.perm is None or b.perm is None:
+        return a.perm is None and b.perm is None
+    return torch.equal(a.perm, b.perm)
+
+
 class PackedEmbedding(torch.nn.Module):
     """An embedding table kept packed; a lookup decodes only the rows it needs."""
 
     def __init__(self, packed: PackedWeight) -> None:
         super().__init__()
         encodings.row_bytes(packed.encoding, packed.shape[1])  # a known encoding
+        if packed.perm is not None or packed.offsets is not None:
+            raise ValueError(f"{packed.name or 'embedding'}: a packed embedding table with a column order or offsets")
         self.packed = packed
         self.num_embeddings, self.embedding_dim = packed.shape
         self.register_buffer("data", packed.data, persistent=False)

@@ -1,7 +1,8 @@
-"""The quantizers: ``int8``, ``int4``, ``gguf`` and ``fp8``.
+"""The quantizers: ``int8``, ``int4``, ``gguf``, ``prequantized`` and ``fp8``.
 
 ``int8`` and ``int4`` quantize a checkpoint's float weights when the model loads;
-``gguf`` computes from a GGUF file's quantized tensors as stored; ``fp8`` keeps
+``gguf`` computes from a GGUF file's quantized tensors as stored, ``prequantized``
+from a GPTQ/AWQ/compressed-tensors checkpoint's, repacked; ``fp8`` keeps
 weights as float8 e4m3. A tied embedding and output head (one weight, two uses) is
 quantized once and serves both (``pack`` + ``make_embedding``), so the model's largest
 matrix shrinks too.
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from pyagent_framework.interfaces import PackedParts, PackedWeight, Quantizer
 
-from . import encodings
+from . import encodings, prequantized
 from .linear import PackedEmbedding, PackedLinear, PackedPartsLinear, native_available
 
 
@@ -101,6 +102,7 @@ class GGUFQuantizer(Quantizer):
     to int8 per block of 32 and multiply in integers, as llama.cpp does (about 1.4x
     faster matmuls in the native AVX2 build, ~1% error per product)."""
 
+    name = "gguf"
     supported_devices = ("cpu",)
     packed_encodings = encodings.GGUF_ENCODINGS
     needs_packed = True
@@ -115,13 +117,13 @@ class GGUFQuantizer(Quantizer):
             unread = sorted((weight.encodings if isinstance(weight, PackedParts) else {weight.encoding}) - self.packed_encodings)
             if unread:
                 raise ValueError(
-                    f"quantization 'gguf': tensor {weight.name!r} has type {', '.join(unread)}, which it does not read "
+                    f"quantization {self.name!r}: tensor {weight.name!r} has type {', '.join(unread)}, which it does not read "
                     f"(it reads {', '.join(sorted(self.packed_encodings))})"
                 )
             if isinstance(weight, PackedParts):
                 return PackedPartsLinear(weight, bias, int8_activations=self.int8_activations)
             return PackedLinear(weight, bias, int8_activations=self.int8_activations)
-        weight = _float_weight(weight, "gguf").float().contiguous()
+        weight = _float_weight(weight, self.name).float().contiguous()
         if native_available():
             from pyagent_native.linear import NativeLinear
 
@@ -132,6 +134,24 @@ class GGUFQuantizer(Quantizer):
 
     def make_embedding(self, packed: PackedWeight) -> PackedEmbedding:
         return PackedEmbedding(packed)
+
+
+class PrequantizedQuantizer(GGUFQuantizer):
+    """A GPTQ, AWQ or compressed-tensors checkpoint's quantized weights, computed as
+    stored: repacked on load (``pyagent_quant.prequantized``) into ``I4_G{32,64,128}``,
+    ``I8`` or ``Q8_0``, with the act-order column order and the zero-point offsets the
+    packed weight carries. The default for such checkpoints; takes no options.
+
+    Linear weights that have no exact packed form, and float ones, are computed in
+    float32 (the native core's small-batch kernel when installed, else torch)."""
+
+    name = "prequantized"
+    packed_encodings = prequantized.ENCODINGS
+
+    def __init__(self, **options) -> None:
+        if options:
+            raise TypeError(f"quantizer 'prequantized' takes no options, got {sorted(options)}")
+        super().__init__()
 
 
 class FP8Linear(torch.nn.Module):

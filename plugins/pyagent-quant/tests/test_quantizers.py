@@ -44,6 +44,7 @@ QUANTIZERS = {  # name -> registry target
     "int4": "pyagent_quant.quantizers:Int4Quantizer",
     "gguf": "pyagent_quant.quantizers:GGUFQuantizer",
     "fp8": "pyagent_quant.quantizers:FP8Quantizer",
+    "prequantized": "pyagent_quant.quantizers:PrequantizedQuantizer",
 }
 
 
@@ -88,7 +89,7 @@ def test_registered_lazily_by_this_distribution(name):
 
 def test_listed_with_the_builtins():
     names = set(registries.quantizers.names())
-    assert {"int8", "int4", "gguf", "fp8", "none"} <= names
+    assert {"int8", "int4", "gguf", "fp8", "prequantized", "none"} <= names
 
 
 def test_plugin_module_imports_nothing_heavy():
@@ -101,13 +102,14 @@ def test_plugin_module_imports_nothing_heavy():
         "import pyagent_quant.plugin as p\n"
         "names = []\n"
         "p.pyagent_register_quantizers(lambda name, target, **kw: names.append((name, target)))\n"
+        "p.pyagent_register_weight_formats(lambda name, target, **kw: names.append((name, target)))\n"
         "assert all(isinstance(t, str) for _, t in names), names\n"
         "new = set(sys.modules) - before\n"
         "print(sorted(m for m in new if m.split('.')[0] in {'torch', 'numpy', 'gguf', 'pyagent_native'}"
         " or m.startswith('pyagent_quant.') and m != 'pyagent_quant.plugin'), sorted(n for n, _ in names))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] ['fp8', 'gguf', 'int4', 'int8']", out.stdout + out.stderr
+    assert out.stdout.strip() == "[] ['fp8', 'gguf', 'hf-quantized', 'int4', 'int8', 'prequantized']", out.stdout + out.stderr
 
 
 # -- options --------------------------------------------------------------------------------
