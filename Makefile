@@ -43,7 +43,8 @@ ENGINE_PROCESS_TESTS := tests/test_engine_requests.py tests/test_engine_parity.p
 	tests/test_async_llm.py tests/test_structured_outputs.py tests/test_speculative.py tests/test_prefix_cache.py \
 	tests/test_smollm2.py tests/test_server_api.py tests/test_server_openai.py tests/test_tool_calls_smollm2.py \
 	tests/test_fault_isolation.py tests/test_cli_generate.py tests/test_output_parsers.py plugins/pyagent-spec/tests/test_engine.py \
-	plugins/pyagent-eviction/tests/test_engine.py plugins/pyagent-kv-disk/tests/test_engine.py plugins/pyagent-kv-redis/tests/test_engine.py tests/test_model_sources.py
+	plugins/pyagent-eviction/tests/test_engine.py plugins/pyagent-kv-disk/tests/test_engine.py plugins/pyagent-kv-redis/tests/test_engine.py tests/test_model_sources.py \
+	plugins/pyagent-quant/tests/test_prequantized.py
 
 test: install
 	PYAGENT_STRICT_PLUGINS=1 $(PY) -m pytest -q

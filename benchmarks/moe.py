@@ -86,10 +86,16 @@ def experts_path(path: str):
         SparseMoeBlock.forward, SparseMoeBlock.use_fused_experts = forward, fused
 
 
+KINDS = ("native", "grouped", "per-token")
+
+
 def measure(
     path: str, concurrent: int, max_tokens: int, rounds: int, quantization: str | None
-) -> tuple[float, list[int]]:
-    """Median tok/s (see the module docstring) and the first sequence's tokens."""
+) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Per path, the median tok/s (see the module docstring) and the first sequence's
+    tokens. One engine serves all three paths (the block's forward is switched between
+    calls), and each round times them one after another, so the machine's drift falls
+    on all three alike."""
     from pyagent_framework import LLM, SamplingParams
 
     rng = random.Random(concurrent)
@@ -97,20 +103,26 @@ def measure(
     llm = LLM(
         path, attention_backend="native", quantization=quantization, max_num_seqs=max(concurrent, 8),
         kv_cache_memory="256MiB", max_model_len=1024,
+        engine_process=False,  # the paths are switched in this process's model
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts, params.replace(max_tokens=4))  # warm-up
-    rates, tokens = [], []
+    rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    tokens: dict[str, list[int]] = {}
+    for kind in KINDS:  # warm-up
+        with experts_path(kind):
+            llm.generate(prompts, params.replace(max_tokens=4))
     for _ in range(rounds):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        total = time.perf_counter() - start
-        tokens = list(outs[0].outputs[0].token_ids)
-        if concurrent == 1:
-            rates.append((len(tokens) - 1) / (total - outs[0].metrics.time_to_first_token))
-        else:
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / total)
-    return statistics.median(rates), tokens
+        for kind in KINDS:
+            with experts_path(kind):
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                total = time.perf_counter() - start
+            tokens[kind] = list(outs[0].outputs[0].token_ids)
+            if concurrent == 1:
+                rates[kind].append((len(tokens[kind]) - 1) / (total - outs[0].metrics.time_to_first_token))
+            else:
+                rates[kind].append(sum(len(o.outputs[0].token_ids) for o in outs) / total)
+    return {kind: statistics.median(r) for kind, r in rates.items()}, tokens
 
 
 def main() -> None:
@@ -134,10 +146,7 @@ def main() -> None:
             f"{torch.get_num_threads()} threads; quantization {args.quantization or 'default'}"
         )
         for n in args.concurrent:
-            rates, tokens = {}, {}
-            for kind in ("native", "grouped", "per-token"):
-                with experts_path(kind):
-                    rates[kind], tokens[kind] = measure(path, n, args.max_tokens, args.rounds, args.quantization)
+            rates, tokens = measure(path, n, args.max_tokens, args.rounds, args.quantization)
             same = "same tokens" if tokens["native"] == tokens["grouped"] == tokens["per-token"] else "TOKENS DIFFER"
             unit = "decode tok/s" if n == 1 else "output tok/s"
             base = rates["per-token"]

@@ -318,6 +318,16 @@ def _linear_bytes(module) -> int:
 # -- through the engine -----------------------------------------------------------------
 
 
+def test_greedy_matches_the_dequantized_model_as_users_run_it(checkpoint):
+    """As users run it (in the second pass the engine core is a process of its own,
+    which finds the hf-quantized format and the prequantized quantizer itself): the
+    default settings, the same tokens as the dequantized model."""
+    name, quant, _, expected = checkpoint
+    llm = LLM(quant, kv_cache_memory="64MiB")
+    assert llm.engine.stats()["quantization"] == "prequantized"
+    assert_same_greedy(engine_greedy(llm, prompts(), GREEDY), expected)
+
+
 @pytest.mark.in_process  # reads the core's model
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_greedy_matches_the_dequantized_model(checkpoint, backend):
