@@ -153,3 +153,16 @@ def shared_prefix_prompts() -> list[list[int]]:
     other = [rng.randrange(2, 300) for _ in range(23)]
     tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 5, 9, 14)]
     return [system + t for t in tails] + [other + t for t in tails[:2]] + [[rng.randrange(2, 300) for _ in range(30)]]
+
+
+def parity_prompts(seed: int) -> list[list[int]]:
+    """Prompts for architecture parity tests: two pairs sharing a 24-token prefix
+    (several whole blocks), and three strangers of other lengths (one short, one
+    single token)."""
+    import random
+
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 300) for _ in range(24)]
+    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 11)]
+    others = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 6, 37)]
+    return [prefix + tails[0], prefix + tails[1], *others, prefix + tails[0][:1]]

@@ -9,6 +9,7 @@ import torch
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import WeightFormat
+from tests.tiny_gguf import llama_cpp_permute
 
 CONFIG_FIELDS = [
     "hidden_size",
@@ -24,17 +25,6 @@ CONFIG_FIELDS = [
     "bos_token_id",
     "eos_token_id",
 ]
-
-
-def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, verbatim."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ Then the same weights written as llama.cpp's converter writes them (norms as
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -38,6 +37,7 @@ from tests.tiny_models import (  # noqa: E402
     engine_greedy,
     hf_greedy,
     hf_model,
+    parity_prompts,
     save_tokenizer,
 )
 
@@ -88,14 +88,9 @@ def _checkpoint(arch: str, directory: Path, **overrides) -> str:
     return str(directory)
 
 
+
 def _prompts() -> list[list[int]]:
-    """Two pairs sharing a 24-token prefix (several whole blocks, past the window), and
-    three strangers of other lengths (one single token, one 37 tokens long)."""
-    rng = random.Random(8)
-    prefix = [rng.randrange(2, 300) for _ in range(24)]
-    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 11)]
-    others = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 6, 37)]
-    return [prefix + tails[0], prefix + tails[1], *others, prefix + tails[0][:1]]
+    return parity_prompts(8)
 
 
 def _hf_expected(path: str, prompts, **config_overrides):

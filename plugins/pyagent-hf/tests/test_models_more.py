@@ -10,7 +10,6 @@ both decline it, and the engine's decodes go through the model's own forward.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pyagent_framework import LLM, SamplingParams, registries  # noqa: E402
-from tests.tiny_models import COMMON, assert_same_greedy, engine_greedy, hf_greedy, hf_model, save_tokenizer  # noqa: E402
+from tests.tiny_models import COMMON, assert_same_greedy, engine_greedy, hf_greedy, hf_model, parity_prompts, save_tokenizer  # noqa: E402
 
 MAX_NEW = 16
 ARCHS = ("granite", "olmo2")
@@ -50,14 +49,9 @@ def _checkpoint(arch: str, directory: Path) -> str:
     return str(directory)
 
 
+
 def _prompts() -> list[list[int]]:
-    """Two pairs sharing a 24-token prefix (several whole blocks), and three strangers
-    of other lengths (one short, one single token)."""
-    rng = random.Random(7)
-    prefix = [rng.randrange(2, 300) for _ in range(24)]
-    tails = [[rng.randrange(2, 300) for _ in range(n)] for n in (3, 11)]
-    others = [[rng.randrange(2, 300) for _ in range(n)] for n in (1, 6, 37)]
-    return [prefix + tails[0], prefix + tails[1], *others, prefix + tails[0][:1]]
+    return parity_prompts(7)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
