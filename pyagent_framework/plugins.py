@@ -166,6 +166,21 @@ def plugin_infos() -> list[PluginInfo]:
     return list(_infos)
 
 
+def plugin_details(info: PluginInfo) -> str | None:
+    """What a loaded plugin says of itself for ``pyagent plugins``: its module's optional
+    ``PYAGENT_DETAILS``, a callable returning one line (the native core names the build
+    of its kernels that runs here). None when it has none; a failing one is reported in
+    the line, never raised."""
+    module = sys.modules.get(info.module) if info.status == "loaded" else None
+    details = getattr(module, "PYAGENT_DETAILS", None)
+    if not callable(details):
+        return None
+    try:
+        return str(details())
+    except Exception as exc:  # a plugin's fault, shown where it belongs
+        return f"(PYAGENT_DETAILS failed: {type(exc).__name__}: {exc})"
+
+
 # --------------------------------------------------------------------------- loading
 
 

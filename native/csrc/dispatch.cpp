@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 #include <vector>
 
@@ -9,18 +10,6 @@
 
 namespace pyagent {
 namespace {
-
-using DecodeFn = bool (*)(const DecodeArgs&, int64_t, int64_t, std::vector<float>&);
-using LinearFn = void (*)(const LinearArgs&, int64_t, int64_t);
-using DequantizeFn = void (*)(const QuantWeight&, float*, int64_t, int64_t);
-using QuantLinearFn = void (*)(const QuantLinearArgs&, int64_t, int64_t);
-
-struct Kernels {
-  DecodeFn decode;
-  LinearFn linear;
-  DequantizeFn dequantize;
-  QuantLinearFn quantized_linear;
-};
 
 bool cpu_has_avx2() {
 #if defined(PYAGENT_HAVE_AVX2) && (defined(__GNUC__) || defined(__clang__))
@@ -33,22 +22,63 @@ bool cpu_has_avx2() {
 #endif
 }
 
-Kernels kernels(const std::string& isa) {
-  static const bool has_avx2 = cpu_has_avx2();
-  const Kernels generic_kernels{generic::paged_decode_items, generic::linear_rows, generic::dequantize_rows,
-                                generic::quantized_linear_rows};
-  if (isa == "generic") return generic_kernels;
-  if (isa == "avx2" || isa == "auto") {
+bool cpu_has_avx512() {
+#if defined(PYAGENT_HAVE_AVX512) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  // The OS must save the 512-bit state too: __builtin_cpu_supports asks XGETBV.
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+const char* const kEnv = "PYAGENT_NATIVE_ISA";
+
+// The build "auto" names: PYAGENT_NATIVE_ISA's (checked when it is used), else the best.
+const std::string& auto_isa() {
+  static const std::string chosen = [] {
+    const char* env = std::getenv(kEnv);
+    std::string name = env == nullptr ? "" : env;
+    if (name.empty() || name == "auto") return std::string(cpu_has_avx512() ? "avx512" : cpu_has_avx2() ? "avx2" : "generic");
+    return name;
+  }();
+  return chosen;
+}
+
+}  // namespace
+
+Kernels kernels_for(const std::string& requested) {
+  static const bool has_avx2 = cpu_has_avx2(), has_avx512 = cpu_has_avx512();
+  const char* env = std::getenv(kEnv);
+  const bool from_env = requested == "auto" && env != nullptr && *env != '\0' && std::string(env) != "auto";
+  const std::string& isa = requested == "auto" ? auto_isa() : requested;
+  const std::string source = from_env ? std::string(" (from ") + kEnv + ")" : "";
+  if (isa == "generic" || isa == "portable") {
+    return Kernels{generic::paged_decode_items, generic::linear_rows, generic::dequantize_rows,
+                   generic::quantized_linear_rows};
+  }
+  if (isa == "avx2") {
 #if defined(PYAGENT_HAVE_AVX2)
-    if (has_avx2) {
-      return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows};
+    if (has_avx2) return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows};
+#endif
+    throw std::invalid_argument("isa 'avx2'" + source + " is not available on this CPU or in this build");
+  }
+  if (isa == "avx512") {
+#if defined(PYAGENT_HAVE_AVX512)
+    if (has_avx512) {
+      return Kernels{avx512::paged_decode_items, avx512::linear_rows, avx512::dequantize_rows,
+                     avx512::quantized_linear_rows};
     }
 #endif
-    if (isa == "auto") return generic_kernels;
-    throw std::invalid_argument("isa 'avx2' is not available on this CPU or in this build");
+    throw std::invalid_argument("isa 'avx512'" + source + " is not available on this CPU or in this build");
   }
-  throw std::invalid_argument("unknown isa '" + isa + "' (expected 'auto', 'generic' or 'avx2')");
+  throw std::invalid_argument("unknown isa '" + isa + "'" + source +
+                              " (expected 'auto', 'generic' (or 'portable'), 'avx2' or 'avx512')");
 }
+
+namespace {
 
 // fn(begin, end) over contiguous slices of [0, N) on up to num_threads threads, in
 // multiples of four rows (the kernels' step); a thread gets at least 64 rows so a
@@ -67,11 +97,20 @@ void split_rows(int64_t N, int num_threads, const Fn& fn) {
 }  // namespace
 
 std::string best_isa() {
-  return cpu_has_avx2() ? "avx2" : "generic";
+  kernels_for("auto");  // a PYAGENT_NATIVE_ISA this CPU cannot run throws here, naming it
+  const std::string& isa = auto_isa();
+  return isa == "portable" ? "generic" : isa;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> isas{"generic"};
+  if (cpu_has_avx2()) isas.push_back("avx2");
+  if (cpu_has_avx512()) isas.push_back("avx512");
+  return isas;
 }
 
 void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::string& isa) {
-  const DecodeFn fn = kernels(isa).decode;
+  const DecodeFn fn = kernels_for(isa).decode;
   const int64_t num_items = args.num_seqs * args.num_kv_heads;
   if (num_items == 0) return;
   // Items are claimed one at a time from a shared counter: sequences differ in length,
@@ -112,17 +151,17 @@ void paged_decode_attention(const DecodeArgs& args, int num_threads, const std::
 }
 
 void linear(const LinearArgs& args, int num_threads, const std::string& isa) {
-  const LinearFn fn = kernels(isa).linear;
+  const LinearFn fn = kernels_for(isa).linear;
   split_rows(args.N, num_threads, [&](int64_t begin, int64_t end) { fn(args, begin, end); });
 }
 
 void dequantize(const QuantWeight& w, float* out, int num_threads, const std::string& isa) {
-  const DequantizeFn fn = kernels(isa).dequantize;
+  const DequantizeFn fn = kernels_for(isa).dequantize;
   split_rows(w.N, num_threads, [&](int64_t begin, int64_t end) { fn(w, out, begin, end); });
 }
 
 void quantized_linear(const QuantLinearArgs& args, int num_threads, const std::string& isa) {
-  const QuantLinearFn fn = kernels(isa).quantized_linear;
+  const QuantLinearFn fn = kernels_for(isa).quantized_linear;
   split_rows(args.w.N, num_threads, [&](int64_t begin, int64_t end) { fn(args, begin, end); });
 }
 

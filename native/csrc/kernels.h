@@ -1,6 +1,6 @@
-// Kernel entry points shared by the portable and the AVX2+FMA builds of each kernel.
+// Kernel entry points shared by the portable, AVX2+FMA and AVX-512 builds of each kernel.
 // Every kernel source is compiled once per instruction set with PYAGENT_ISA set to
-// the namespace it defines (pyagent::generic, pyagent::avx2); dispatch.cpp chooses.
+// the namespace it defines (pyagent::generic, pyagent::avx2, pyagent::avx512); dispatch.cpp chooses.
 #pragma once
 
 #include <cstdint>
@@ -136,5 +136,6 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
 
 PYAGENT_DECLARE_KERNELS(generic)
 PYAGENT_DECLARE_KERNELS(avx2)
+PYAGENT_DECLARE_KERNELS(avx512)
 
 }  // namespace pyagent

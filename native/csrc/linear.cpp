@@ -14,7 +14,9 @@ namespace PYAGENT_ISA {
 void linear_rows(const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   const int64_t K = a.K;
   int64_t n = n_begin;
-  if (kHaveDot4 && K % 8 == 0) {
+  if (kHaveDotMr4) {  // the AVX-512 build: rows of x four at a time, any K
+    for (; n + 4 <= n_end; n += 4) dot_rows4(a.x, a.M, K, a.weight + n * K, K, K, a.out + n, a.N);
+  } else if (kHaveDot4 && K % 8 == 0) {
     for (; n + 4 <= n_end; n += 4) {
       const float* w = a.weight + n * K;
       for (int64_t m = 0; m < a.M; ++m) dot4(a.x + m * K, w, K, K, 1.0f, a.out + m * a.N + n);

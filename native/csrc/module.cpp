@@ -3,6 +3,7 @@
 // ValueError naming it, never a read out of bounds.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
 
@@ -187,7 +188,10 @@ py::class_<Policy> bind_policy(py::module_& m, const char* name, const char* doc
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "pyagent-framework native core (C++17)";
-  m.def("best_isa", &pyagent::best_isa, "The instruction set the kernels run with here: 'avx2' or 'generic'.");
+  m.def("best_isa", &pyagent::best_isa,
+        "The build of the kernels isa='auto' runs here: 'avx512', 'avx2' or 'generic' (the best this CPU runs, "
+        "or the one the environment variable PYAGENT_NATIVE_ISA names).");
+  m.def("available_isas", &pyagent::available_isas, "The builds of the kernels this CPU runs, portable first.");
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0, py::arg("logit_softcap") = 0.0f,

@@ -42,27 +42,7 @@ using pyagent::bindings::expect_dim;
 // that a layer of a few experts still gives every thread several tiles.
 constexpr int64_t kTile = 32;
 
-using LinearRowsFn = void (*)(const pyagent::LinearArgs&, int64_t, int64_t);
-using QuantRowsFn = void (*)(const pyagent::QuantLinearArgs&, int64_t, int64_t);
-
-struct RowKernels {
-  LinearRowsFn linear;
-  QuantRowsFn quantized;
-};
-
-RowKernels row_kernels(const std::string& isa) {
-  const RowKernels generic{pyagent::generic::linear_rows, pyagent::generic::quantized_linear_rows};
-  if (isa == "generic") return generic;
-  if (isa == "avx2" || isa == "auto") {
-#if defined(PYAGENT_HAVE_AVX2)
-    static const bool has_avx2 = pyagent::best_isa() == "avx2";
-    if (has_avx2) return RowKernels{pyagent::avx2::linear_rows, pyagent::avx2::quantized_linear_rows};
-#endif
-    if (isa == "auto") return generic;
-    throw std::invalid_argument("isa 'avx2' is not available on this CPU or in this build");
-  }
-  throw std::invalid_argument("unknown isa '" + isa + "' (expected 'auto', 'generic' or 'avx2')");
-}
+using RowKernels = pyagent::Kernels;  // the dispatched build's (kernels_for)
 
 // Rows [n_begin, n_end) of out[M, part.N] = x[M, K] @ part^T (+ bias).
 void part_rows(const RowKernels& k, const LinearPart& p, float* out, const float* x, int64_t M, int64_t n_begin,
@@ -75,7 +55,7 @@ void part_rows(const RowKernels& k, const LinearPart& p, float* out, const float
     a.M = M;
     a.w = p.packed;
     a.int8_activations = p.int8_activations;
-    k.quantized(a, n_begin, n_end);
+    k.quantized_linear(a, n_begin, n_end);
   } else {
     pyagent::LinearArgs a{};
     a.out = out;
@@ -156,7 +136,7 @@ class MoeExperts {
                               std::to_string(ids[i]) + " is not one of the " + std::to_string(E) + " experts");
       }
     }
-    const RowKernels kernels = row_kernels(isa);
+    const RowKernels kernels = pyagent::kernels_for(isa);
     py::gil_scoped_release release;
     const std::lock_guard<std::mutex> lock(mutex_);  // the scratch is the object's
     run(kernels, dst, src, ids, weights, T, k, num_threads);

@@ -653,7 +653,10 @@ void tiled_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
     prefetch_rows(a.w, n + 4, n + 8, n_end);
     for (int64_t r = 0; r < rows; ++r) decode_row(a.w, a.w.data + (n + r) * a.w.row_bytes, tile.data() + r * K);
     int64_t m = 0;
-    if (kHaveDot4 && rows == 4 && K8 > 0) {
+    if (kHaveDotMr4 && rows == 4) {  // the AVX-512 build: rows of x four at a time, any K
+      dot_rows4(a.x, a.M, K, t, K, K, a.out + n, N);
+      m = a.M;
+    } else if (kHaveDot4 && rows == 4 && K8 > 0) {
 #if PYAGENT_QUANT_SIMD
       for (; m + 2 <= a.M; m += 2) {
         const float* x = a.x + m * K;

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,69 @@ constexpr bool kHaveDot4 = true;
 #else
 inline void dot4(const float*, const float*, int64_t, int64_t, float, float*) {}
 constexpr bool kHaveDot4 = false;
+#endif
+
+#if defined(__AVX512F__)
+constexpr bool kHaveDotMr4 = true;
+
+// The four sums of a0..a3's lanes, in order (a sum of halves, then a transposing
+// horizontal add, as dot4's).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const auto half = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[m * ldo + r] = <x_m, w_r> for the MR rows of x (stride ldx) and four rows of w
+// (stride ldw) over K columns, any K (the last partial 16 come in masked loads).
+// MR x 4 accumulators of 16 lanes: per 16 columns 4 + MR loads feed 4 * MR FMAs in
+// independent chains, so from MR = 2 on the FMA units bound it, not the loads or the
+// FMA latency (AVX2's dot4 runs four chains of eight lanes, one load per FMA).
+template <int MR>
+inline void dot_mr4(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t ldw, int64_t K,
+                    float* __restrict out, int64_t ldo) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_ps(w + r * ldw + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + r * ldw + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm_storeu_ps(out + m * ldo, hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+// Every row of x (M rows, stride ldx) against four rows of w: dot_mr4 four rows of x
+// at a time, then the rest.
+inline void dot_rows4(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
+                      int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_mr4<4>(x + m * ldx, ldx, w, ldw, K, out + m * ldo, ldo);
+  switch (M - m) {
+    case 3: dot_mr4<3>(x + m * ldx, ldx, w, ldw, K, out + m * ldo, ldo); break;
+    case 2: dot_mr4<2>(x + m * ldx, ldx, w, ldw, K, out + m * ldo, ldo); break;
+    case 1: dot_mr4<1>(x + m * ldx, ldx, w, ldw, K, out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kHaveDotMr4 = false;
+inline void dot_rows4(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t) {}
 #endif
 
 }  // namespace

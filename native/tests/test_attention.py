@@ -49,7 +49,7 @@ from pyagent_native.attention import NativeAttention
 
 ATOL = RTOL = 1e-5
 BEST_ISA = _core.best_isa()
-ISAS = tuple(dict.fromkeys(("generic", BEST_ISA)))  # both builds when the CPU runs AVX2
+ISAS = tuple(_core.available_isas())  # every build this CPU runs (portable, AVX2, AVX-512)
 # 64 and 128 are compiled with the head size fixed; the others take the run-time path.
 # 8, 16, 24, 40, 64, 128 are multiples of 8 (the AVX2 four-token dot product); 3, 12,
 # 67 and 100 are not.
@@ -215,10 +215,12 @@ def test_padding_past_used_blocks_is_never_read():
         assert_close(kernel(case, isa=isa, block_tables=garbage), expected)
 
 
-@pytest.mark.skipif(BEST_ISA != "avx2", reason="this CPU (or build) has no AVX2+FMA kernel")
-def test_avx2_by_name():
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_builds_by_name(isa):
+    if isa not in ISAS:
+        pytest.skip(f"this CPU (or build) has no {isa} kernel")
     case = make_case(seq_lens=[7, 64], num_kv_heads=2, group=2, head_size=64, block_size=16, seed=3)
-    assert_close(kernel(case, isa="avx2"), reference(case))
+    assert_close(kernel(case, isa=isa), reference(case))
 
 
 # --------------------------------------------------------------------------- 2. dynamic range

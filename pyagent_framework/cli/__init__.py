@@ -17,17 +17,20 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from pyagent_framework.plugins import plugin_infos
+    from pyagent_framework.plugins import plugin_details, plugin_infos
 
     infos = plugin_infos()
     if args.json:
-        print(json.dumps([info.as_dict() for info in infos], indent=2))
+        print(json.dumps([{**info.as_dict(), "details": plugin_details(info)} for info in infos], indent=2))
         return 0
     for info in infos:
         where = f"{info.distribution} {info.version or ''}".strip() if info.distribution else "-"
         print(f"{info.name}  [{info.status}]  {where}")
         if info.reason:
             print(f"    reason: {info.reason}")
+        details = plugin_details(info)
+        if details:
+            print(f"    details: {details}")
         if info.hooks:
             print(f"    hooks: {', '.join(info.hooks)}")
         for kind, names in sorted(info.entries.items()):

@@ -3,7 +3,8 @@
 The entry point ``native`` in the ``pyagent_framework`` group names this module. The
 compiled core is imported when the hooks run, not when the entry point is listed: if
 it cannot be imported (no compiler at install time, a CPU or platform it was not
-built for), the plugin registers nothing and warns once, naming itself, and the
+built for, or PYAGENT_NATIVE_ISA naming a build of the kernels this CPU cannot run),
+the plugin registers nothing and warns once, naming itself, and the
 framework's Python entries serve as before.
 """
 
@@ -21,17 +22,29 @@ _core_error: str | None = None
 _warned = False
 
 
+def PYAGENT_DETAILS() -> str:
+    """The line ``pyagent plugins`` shows: which build of the kernels runs here."""
+    if not core_available():
+        return f"compiled core unavailable ({_core_error})"
+    from pyagent_native import _core
+
+    return f"kernels: {_core.best_isa()} (this CPU runs {', '.join(_core.available_isas())}; PYAGENT_NATIVE_ISA overrides)"
+
+
 def core_available() -> bool:
-    """Whether the compiled core imports here (warns once, naming the plugin, if not)."""
+    """Whether the compiled core imports here and has the build of its kernels that
+    PYAGENT_NATIVE_ISA names, if set (warns once, naming the plugin, if not)."""
     global _core_error, _warned
     try:
-        from pyagent_native import _core  # noqa: F401
-    except ImportError as exc:
+        from pyagent_native import _core
+
+        _core.best_isa()  # PYAGENT_NATIVE_ISA naming a build this CPU cannot run: ValueError
+    except (ImportError, ValueError) as exc:
         _core_error = f"{type(exc).__name__}: {exc}"
         if not _warned:
             _warned = True
             warnings.warn(
-                f"pyagent-native: the compiled core did not import ({_core_error}); "
+                f"pyagent-native: the compiled core is unavailable ({_core_error}); "
                 "its entries (attention backend and quantizer 'native', eviction policies 'native-lru', "
                 "'native-arc' and 'native-s3fifo') are unavailable",
                 PluginWarning,
