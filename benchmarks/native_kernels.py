@@ -15,6 +15,8 @@
 - decode attention: one layer's decode over a paged cache (9 query heads, 3 key/value
   heads, head size 64, blocks of 16 scattered in the pool) for 64 sequences at several
   context lengths: the built-in ``torch`` backend vs the ``native`` backend.
+- isas: every build of the kernels this CPU runs (portable, AVX2, AVX-512) on the same
+  float and quantized GEMMs (1, 8 and 32 rows), in the same run.
 
 Each figure is the best of several repetitions (the machine is shared and noisy).
 """
@@ -23,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -190,19 +195,50 @@ def bench_attention(repeat: int) -> None:
         print(f"  context {context:>4}: {t:6.2f} / {n:6.2f} = {t / n:4.2f}x")
 
 
+def bench_isas(repeat: int, threads: int) -> None:
+    """Every build of the kernels this CPU runs on the same work, in the same run: the
+    float GEMM and the quantized GEMM of a SmolLM2 gate_up (3072 x 576) and down
+    (576 x 1536) for 1, 8 and 32 rows of x."""
+    import numpy as np
+
+    from native.tests.quant_reference import random_weight
+    from pyagent_native import _core
+
+    isas = _core.available_isas()
+    rng = np.random.default_rng(0)
+    print(f"kernel builds (threads={threads}): ms per call, {' / '.join(isas)}; last build's speed-up over the first SIMD one")
+    cases = [("float32", 3072, 576), ("Q4_1", 3072, 576), ("Q5_0", 3072, 576), ("Q8_0", 3072, 576),
+             ("Q4_K", 576, 1536), ("Q6_K", 576, 1536)]
+    for encoding, n, k in cases:
+        weight = rng.standard_normal((n, k)).astype(np.float32) if encoding == "float32" else random_weight(encoding, n, k, 0, rng)
+        for rows in (1, 8, 32):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            out = np.empty((rows, n), np.float32)
+
+            def call(isa):
+                if encoding == "float32":
+                    return lambda: _core.linear(out, x, weight, None, threads, isa)
+                return lambda: _core.quantized_linear(out, x, weight, encoding, 0, None, threads, isa)
+
+            times = [best_ms(call(isa), repeat) for isa in isas]
+            simd = times[1] if len(times) > 2 else times[0]
+            cells = " / ".join(f"{t:6.3f}" for t in times)
+            print(f"  {encoding:<7} {n:>4}x{k:<4} rows {rows:>2}: {cells}   {simd / times[-1]:4.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch and native threads (default: torch's)")
     parser.add_argument(
-        "--only", choices=["linear", "quantized", "attention"], action="append", help="run only these sections"
+        "--only", choices=["linear", "quantized", "attention", "isas"], action="append", help="run only these sections"
     )
     args = parser.parse_args()
     from pyagent_native import _core
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    sections = args.only or ["linear", "quantized", "attention"]
+    sections = args.only or ["linear", "quantized", "attention", "isas"]
     print(f"native core ISA: {_core.best_isa()}")
     with torch.inference_mode():
         if "linear" in sections:
@@ -211,6 +247,8 @@ def main() -> None:
             bench_quantized(args.repeat, torch.get_num_threads())
     if "attention" in sections:
         bench_attention(args.repeat)
+    if "isas" in sections:
+        bench_isas(args.repeat, torch.get_num_threads())
 
 
 if __name__ == "__main__":
