@@ -18,24 +18,9 @@ const std::string kAuto = "auto";
 
 void apply_part(const LinearPart& w, float* out, const float* x, int64_t M, int threads) {
   if (w.is_packed) {
-    QuantLinearArgs a{};
-    a.out = out;
-    a.x = x;
-    a.bias = w.bias;
-    a.M = M;
-    a.w = w.packed;
-    a.int8_activations = w.int8_activations;
-    quantized_linear(a, threads, kAuto);
+    quantized_linear(packed_args(w, out, x, M), threads, kAuto);
   } else {
-    LinearArgs a{};
-    a.out = out;
-    a.x = x;
-    a.weight = w.weight;
-    a.bias = w.bias;
-    a.M = M;
-    a.N = w.N;
-    a.K = w.K;
-    linear(a, threads, kAuto);
+    linear(float_args(w, out, x, M), threads, kAuto);
   }
 }
 

@@ -23,6 +23,31 @@ struct LinearPart {
   int64_t K = 0;
 };
 
+// The kernel arguments of out[M, p.N] = x[M, K] @ p^T (+ bias): float_args for a float
+// part, packed_args for a packed one (is_packed says which).
+inline LinearArgs float_args(const LinearPart& p, float* out, const float* x, int64_t M) {
+  LinearArgs a{};
+  a.out = out;
+  a.x = x;
+  a.weight = p.weight;
+  a.bias = p.bias;
+  a.M = M;
+  a.N = p.N;
+  a.K = p.K;
+  return a;
+}
+
+inline QuantLinearArgs packed_args(const LinearPart& p, float* out, const float* x, int64_t M) {
+  QuantLinearArgs a{};
+  a.out = out;
+  a.x = x;
+  a.bias = p.bias;
+  a.M = M;
+  a.w = p.packed;
+  a.int8_activations = p.int8_activations;
+  return a;
+}
+
 // A linear layer, out[M, N] = x[M, K] @ W^T (+ bias): usually one part; a weight whose
 // row ranges are stored in different encodings (llama.cpp's _M mixes keep a fused
 // q/k/v's v in more bits) is several, each computing its own output features, part p

@@ -42,30 +42,13 @@ using pyagent::bindings::expect_dim;
 // that a layer of a few experts still gives every thread several tiles.
 constexpr int64_t kTile = 32;
 
-using RowKernels = pyagent::Kernels;  // the dispatched build's (kernels_for)
-
 // Rows [n_begin, n_end) of out[M, part.N] = x[M, K] @ part^T (+ bias).
-void part_rows(const RowKernels& k, const LinearPart& p, float* out, const float* x, int64_t M, int64_t n_begin,
+void part_rows(const pyagent::Kernels& k, const LinearPart& p, float* out, const float* x, int64_t M, int64_t n_begin,
                int64_t n_end) {
   if (p.is_packed) {
-    pyagent::QuantLinearArgs a{};
-    a.out = out;
-    a.x = x;
-    a.bias = p.bias;
-    a.M = M;
-    a.w = p.packed;
-    a.int8_activations = p.int8_activations;
-    k.quantized_linear(a, n_begin, n_end);
+    k.quantized_linear(pyagent::packed_args(p, out, x, M), n_begin, n_end);
   } else {
-    pyagent::LinearArgs a{};
-    a.out = out;
-    a.x = x;
-    a.weight = p.weight;
-    a.bias = p.bias;
-    a.M = M;
-    a.N = p.N;
-    a.K = p.K;
-    k.linear(a, n_begin, n_end);
+    k.linear(pyagent::float_args(p, out, x, M), n_begin, n_end);
   }
 }
 
@@ -136,7 +119,7 @@ class MoeExperts {
                               std::to_string(ids[i]) + " is not one of the " + std::to_string(E) + " experts");
       }
     }
-    const RowKernels kernels = pyagent::kernels_for(isa);
+    const pyagent::Kernels kernels = pyagent::kernels_for(isa);
     py::gil_scoped_release release;
     const std::lock_guard<std::mutex> lock(mutex_);  // the scratch is the object's
     run(kernels, dst, src, ids, weights, T, k, num_threads);
@@ -209,7 +192,7 @@ class MoeExperts {
     });
   }
 
-  void run(const RowKernels& kernels, float* out, const float* x, const int64_t* ids, const float* weights,
+  void run(const pyagent::Kernels& kernels, float* out, const float* x, const int64_t* ids, const float* weights,
            int64_t T, int64_t k, int num_threads) {
     const int64_t E = num_experts(), pairs = T * k, H = H_, I = I_;
     // Counting sort of the (token, slot) pairs by expert; stable, so each expert's
