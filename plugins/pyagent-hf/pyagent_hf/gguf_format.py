@@ -196,6 +196,8 @@ class GGUFFormat(WeightFormat):
         head_dim = get("attention.key_length")
         if head_dim is not None:
             config["head_dim"] = int(head_dim)
+        # llama.cpp stores no flag for it: q/k/v/o biases are there or not.
+        config["attention_bias"] = header.tensor("blk.0.attn_q.bias") is not None
         for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
             value = f.get(f"tokenizer.ggml.{key}")
             if value is not None:

@@ -58,7 +58,6 @@ def _layer_types(reader: ConfigReader, layers: int, default_period: int) -> list
 
 def _common_config(reader: ConfigReader, config: dict, pattern: int) -> None:
     config["hidden_activation"] = config["hidden_act"] = "gelu_pytorch_tanh"
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
     layers = config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if layers == _LAYERS_27B[reader.arch]:

@@ -8,7 +8,6 @@ from .gguf_moe import MOE_TENSORS, mixtral_config
 
 
 def _llama_config(reader: ConfigReader, config: dict) -> None:
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
     config["mlp_bias"] = reader.has("blk.0.ffn_up.bias")
     if "head_dim" not in config and reader.get("rope.dimension_count") is not None:
         config["head_dim"] = int(reader.get("rope.dimension_count"))  # full rotary: the head size
@@ -17,14 +16,6 @@ def _llama_config(reader: ConfigReader, config: dict) -> None:
 def _llama_or_mixtral_config(reader: ConfigReader, config: dict) -> None:
     _llama_config(reader, config)
     mixtral_config(reader, config)  # llama.cpp writes Mixtral as "llama" with experts
-
-
-def _qwen2_config(reader: ConfigReader, config: dict) -> None:
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
-
-
-def _qwen3_config(reader: ConfigReader, config: dict) -> None:
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
 
 
 def _granite_config(reader: ConfigReader, config: dict) -> None:
@@ -41,22 +32,17 @@ def _granite_config(reader: ConfigReader, config: dict) -> None:
             config[hf_key] = float(value)
 
 
-def _olmo2_config(reader: ConfigReader, config: dict) -> None:
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
-
-
 GGUF_ARCHITECTURES = {
     "llama": GGUFArch(
         "LlamaForCausalLM", "llama", permuted_qk=True, tensors=MOE_TENSORS, config=_llama_or_mixtral_config
     ),
-    "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", config=_qwen2_config),
-    "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", config=_qwen3_config),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3"),
     # GraniteModel extends the converter's LlamaModel: its Q/K rows are permuted too.
     "granite": GGUFArch("GraniteForCausalLM", "granite", permuted_qk=True, config=_granite_config),
     "olmo2": GGUFArch(
         "Olmo2ForCausalLM",
         "olmo2",
         tensors={"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
-        config=_olmo2_config,
     ),
 }

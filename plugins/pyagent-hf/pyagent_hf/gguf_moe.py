@@ -45,7 +45,6 @@ def mixtral_config(reader: ConfigReader, config: dict) -> None:
 
 
 def _qwen3moe_config(reader: ConfigReader, config: dict) -> None:
-    config["attention_bias"] = reader.has("blk.0.attn_q.bias")
     config["num_experts"] = int(reader.need("expert_count"))
     config["num_experts_per_tok"] = int(reader.need("expert_used_count"))
     config["moe_intermediate_size"] = int(reader.need("expert_feed_forward_length"))
