@@ -23,31 +23,6 @@ namespace pyagent {
 namespace PYAGENT_ISA {
 namespace {
 
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' single-precision
-// polynomial after range reduction, ~1 ulp. Branch-free so loops over it vectorize;
-// the truncating conversion is a floor because x <= 0.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float fx = x * 1.44269504088896341f;
-  const int32_t n = -static_cast<int32_t>(0.5f - fx);  // round(fx) for fx <= 0
-  const float nf = static_cast<float>(n);
-  float r = x - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
-
-
 // One work item with the head size D known at compile time (kD > 0: the dot products
 // and the value accumulator unroll into registers) or at run time (kD == 0).
 template <int64_t kD>

@@ -139,12 +139,8 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
     // MLP block
     for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.post_norm, H, s.eps);
     apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads, ws.part);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* gate = &ws.gate_up[t * 2 * inter];
-      const float* up = gate + inter;
-      float* act = &ws.act[t * inter];
-      for (int64_t i = 0; i < inter; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    }
+    SiluMulArgs act{ws.act.data(), ws.gate_up.data(), ws.gate_up.data() + inter, inter, 2 * inter, inter};
+    silu_and_mul(act, T, num_threads, kAuto);
     apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads, ws.part);
     for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
   }

@@ -57,11 +57,14 @@ Kernels kernels_for(const std::string& requested) {
   const std::string source = from_env ? std::string(" (from ") + kEnv + ")" : "";
   if (isa == "generic" || isa == "portable") {
     return Kernels{generic::paged_decode_items, generic::linear_rows, generic::dequantize_rows,
-                   generic::quantized_linear_rows};
+                   generic::quantized_linear_rows, generic::silu_mul_rows};
   }
   if (isa == "avx2") {
 #if defined(PYAGENT_HAVE_AVX2)
-    if (has_avx2) return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows};
+    if (has_avx2) {
+      return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows,
+                     avx2::silu_mul_rows};
+    }
 #endif
     throw std::invalid_argument("isa 'avx2'" + source + " is not available on this CPU or in this build");
   }
@@ -69,7 +72,7 @@ Kernels kernels_for(const std::string& requested) {
 #if defined(PYAGENT_HAVE_AVX512)
     if (has_avx512) {
       return Kernels{avx512::paged_decode_items, avx512::linear_rows, avx512::dequantize_rows,
-                     avx512::quantized_linear_rows};
+                     avx512::quantized_linear_rows, avx512::silu_mul_rows};
     }
 #endif
     throw std::invalid_argument("isa 'avx512'" + source + " is not available on this CPU or in this build");
@@ -163,6 +166,18 @@ void dequantize(const QuantWeight& w, float* out, int num_threads, const std::st
 void quantized_linear(const QuantLinearArgs& args, int num_threads, const std::string& isa) {
   const QuantLinearFn fn = kernels_for(isa).quantized_linear;
   split_rows(args.w.N, num_threads, [&](int64_t begin, int64_t end) { fn(args, begin, end); });
+}
+
+void silu_and_mul(const SiluMulArgs& args, int64_t rows, int num_threads, const std::string& isa) {
+  const SiluMulFn fn = kernels_for(isa).silu_mul;
+  // A thread per 16K elements at least: fewer are done before a worker wakes up.
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(rows, rows * args.n / 16384));
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads, useful));
+  if (threads <= 1) {
+    fn(args, 0, rows);
+    return;
+  }
+  ThreadPool::instance().run(threads, [&](int t) { fn(args, rows * t / threads, rows * (t + 1) / threads); });
 }
 
 }  // namespace pyagent

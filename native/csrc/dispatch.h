@@ -17,12 +17,14 @@ using DecodeFn = bool (*)(const DecodeArgs&, int64_t, int64_t, std::vector<float
 using LinearFn = void (*)(const LinearArgs&, int64_t, int64_t);
 using DequantizeFn = void (*)(const QuantWeight&, float*, int64_t, int64_t);
 using QuantLinearFn = void (*)(const QuantLinearArgs&, int64_t, int64_t);
+using SiluMulFn = void (*)(const SiluMulArgs&, int64_t, int64_t);
 
 struct Kernels {
   DecodeFn decode;
   LinearFn linear;
   DequantizeFn dequantize;
   QuantLinearFn quantized_linear;
+  SiluMulFn silu_mul;
 };
 
 Kernels kernels_for(const std::string& isa);
@@ -48,5 +50,8 @@ void dequantize(const QuantWeight& w, float* out, int num_threads, const std::st
 
 // out = x @ dequantize(w)^T (+ bias) on up to num_threads threads (see QuantLinearArgs).
 void quantized_linear(const QuantLinearArgs& args, int num_threads, const std::string& isa);
+
+// SiLU-and-mul over `rows` rows (see SiluMulArgs) on up to num_threads threads.
+void silu_and_mul(const SiluMulArgs& args, int64_t rows, int num_threads, const std::string& isa);
 
 }  // namespace pyagent

@@ -111,6 +111,17 @@ struct QuantLinearArgs {
   bool int8_activations = false;
 };
 
+// out[m, i] = silu(gate[m, i]) * up[m, i] for i < n: row m of gate at gate + m * in_stride,
+// of up at up + m * in_stride, of out at out + m * out_stride.
+struct SiluMulArgs {
+  float* out;
+  const float* gate;
+  const float* up;
+  int64_t n;
+  int64_t in_stride;
+  int64_t out_stride;
+};
+
 // The first key a decode query of a sequence of `len` tokens sees: 0 without a sliding
 // window, else the oldest of the window's last `window` tokens.
 // static: each per-ISA object keeps its own copy (no cross-ISA ODR merge).
@@ -122,7 +133,7 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
 // Returns false (and leaves the item's output unspecified) when a block id the item
 // must read is outside [0, num_blocks); the caller reports the error.
 // The *_rows kernels compute output features (weight rows) [n_begin, n_end);
-// dequantize_rows writes rows of out[N, K].
+// dequantize_rows writes rows of out[N, K]; silu_mul_rows computes rows [begin, end).
 #define PYAGENT_DECLARE_KERNELS(isa)                                                    \
   namespace isa {                                                                     \
   bool paged_decode_items(const DecodeArgs& args, int64_t begin, int64_t end,         \
@@ -132,6 +143,7 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
                        int64_t n_end);                                                \
   void quantized_linear_rows(const QuantLinearArgs& args, int64_t n_begin,            \
                              int64_t n_end);                                          \
+  void silu_mul_rows(const SiluMulArgs& args, int64_t begin, int64_t end);            \
   }
 
 PYAGENT_DECLARE_KERNELS(generic)

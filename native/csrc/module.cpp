@@ -91,6 +91,25 @@ void linear(py::array out, py::array x, py::array weight, py::object bias, int n
   pyagent::linear(a, num_threads, isa);
 }
 
+// out[M, n] = silu(gate_up[:, :n]) * gate_up[:, n:], the fused gate/up layout.
+void silu_and_mul(py::array out, py::array gate_up, int num_threads, const std::string& isa) {
+  const float* gu = checked<float>(gate_up, "gate_up", 2);
+  pyagent::SiluMulArgs a{};
+  a.out = const_cast<float*>(checked<float>(out, "out", 2, true));
+  const int64_t M = gate_up.shape(0);
+  if (gate_up.shape(1) % 2 != 0) throw py::value_error("gate_up.shape[1] must be even (gate then up)");
+  a.n = gate_up.shape(1) / 2;
+  expect_dim(out, "out", 0, M, "gate_up's rows");
+  expect_dim(out, "out", 1, a.n, "half of gate_up's columns");
+  a.gate = gu;
+  a.up = gu + a.n;
+  a.in_stride = 2 * a.n;
+  a.out_stride = a.n;
+  if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+  py::gil_scoped_release release;
+  pyagent::silu_and_mul(a, M, num_threads, isa);
+}
+
 // ------------------------------------------------------------------ quantized weights
 
 int64_t quant_row_bytes(const std::string& encoding, int64_t K, int64_t group) {
@@ -199,6 +218,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");
+  m.def("silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"), py::arg("num_threads") = 1,
+        py::arg("isa") = "auto",
+        "out[M, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (float32), the fused decoder's MLP activation.");
   m.def("quant_row_bytes", &quant_row_bytes, py::arg("encoding"), py::arg("K"), py::arg("group") = 0,
         "Bytes per row of a weight of K input features in `encoding` (GGUF's 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', "
         "'Q5_1', 'IQ4_NL', 'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K'; 'I8' or 'I4'; group: I4's 32, 64 or 128).");

@@ -243,13 +243,7 @@ class MoeExperts {
         part_rows(kernels, w.gate_up[1], block + M * I, xe, M, a, b);
         gate = block, up = block + M * I, stride = I;
       }
-      for (int64_t m = 0; m < M; ++m) {
-        float* act = &act_[(r0 + m) * I];
-        for (int64_t i = a; i < b; ++i) {
-          const float g = gate[m * stride + i];
-          act[i] = g / (1.0f + std::exp(-g)) * up[m * stride + i];
-        }
-      }
+      kernels.silu_mul(pyagent::SiluMulArgs{&act_[r0 * I] + a, gate + a, up + a, b - a, stride, I}, 0, M);
     });
 
     // down: rows [a, b) of the expert's output for all its rows.

@@ -1,8 +1,10 @@
-// Dot products shared by the kernels. Included by every per-ISA source: everything
+// Dot products and element-wise math shared by the kernels. Included by every per-ISA source: everything
 // here has internal linkage, so each build gets its own copy compiled for its ISA.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -10,6 +12,41 @@
 
 namespace pyagent {
 namespace {
+
+// exp(x) for x <= 0 (scores minus their maximum): Cephes' single-precision
+// polynomial after range reduction, ~1 ulp. Branch-free so loops over it vectorize;
+// the truncating conversion is a floor because x <= 0.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = x * 1.44269504088896341f;
+  const int32_t n = -static_cast<int32_t>(0.5f - fx);  // round(fx) for fx <= 0
+  const float nf = static_cast<float>(n);
+  float r = x - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// silu(x) = x * sigmoid(x), from exp(-|x|) so the exponent never overflows:
+// sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) below, e = exp(-|x|). Within a
+// few ulp of x / (1 + exp(-x)), branch-free. Below -87, where exp_nonpositive clamps,
+// the result is a zero of x's sign (the exact value is under 1e-35).
+inline float silu(float x) {
+  const float e = exp_nonpositive(std::min(x, -x));
+  const float num = x < 0.0f ? e : 1.0f;
+  const float y = x * (num / (1.0f + e));
+  const float keep = x < -87.0f ? 0.0f : 1.0f;
+  return y * keep;
+}
 
 // <a, b> over n floats. Sixteen partial sums (two AVX registers, four SSE ones) in
 // independent chains, then a fixed tree: the order is spelled out, so the compiler
