@@ -232,7 +232,8 @@ PYBIND11_MODULE(_core, m) {
         py::arg("group") = 0, py::arg("bias") = py::none(), py::arg("num_threads") = 1, py::arg("isa") = "auto",
         py::arg("int8_activations") = false,
         "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once. "
-        "int8_activations: Q4_0/Q4_1 with one row of x in the AVX2 build round x to int8 per block of 32 "
+        "int8_activations: round x to int8 per block of 32 and multiply in integers where a build has the "
+        "kernel (one-row Q4_0/Q4_1: AVX2 and AVX-512; several rows of Q4_0/Q4_1/Q8_0: AVX-512 VNNI) "
         "(faster, approximate; see kernels.h).");
   bind_decoder(m);
   bind_moe(m);

@@ -1111,6 +1111,182 @@ void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// ---------------------------------------------------------------------------------
+// Integer GEMM for Q4_0, Q4_1 and Q8_0 against x rounded to int8 per block of 32
+// (QuantLinearArgs::int8_activations, several rows of x; AVX-512 VNNI build).
+//
+// Sixteen weight rows at a time are laid out in a scratch in VNNI order: for block b,
+// eight 64-byte vectors, vector j holding in lane r the unsigned codes 4j..4j+3 of row
+// r (Q4: the nibbles; Q8_0: q + 128). One vpdpbusd then adds, in each lane, four codes
+// times four int8 values of x broadcast to every lane, so after eight of them lane r
+// holds row r's integer dot product over the block, and no horizontal sum is needed:
+// per block and row of x,
+//     out[m, r] += (d_r * dx_m) * sum(code * xq) + off_r * S_m
+// with off_r the block's m (Q4_1) or -8 d (Q4_0) and S_m the exact float sum of the
+// block of x (as fused_q4_q8 does); Q8_0 takes 128 * sum(xq), in integers, off its sum.
+// Eight rows of x share each block's eight code vectors, in registers.
+
+constexpr int kVnniRows = 16;      // weight rows per tile (one 16-lane vector)
+constexpr int kVnniMaxMr = 8;      // rows of x per register block
+constexpr int64_t kVnniMinRows = 2;  // fewer rows of x take the one-row path
+
+struct VnniTile {
+  std::vector<uint8_t> codes;  // [nb][8][16][4]
+  std::vector<float> d, off;   // [nb][16]
+};
+
+// Rows [n, n + rows) of w (rows <= 16; the missing lanes get zero codes and scales),
+// gathered a dword per row at a time: lane r of gather j reads row r's code bytes
+// 4j..4j+3 (Q8_0) or the 16 nibble bytes' 4j..4j+3, whose low nibbles are codes
+// 4j..4j+3 and high nibbles codes 16 + 4j.. (vector j + 4).
+void vnni_tile(const QuantWeight& w, int64_t n, int64_t rows, int64_t nb, VnniTile& t) {
+  t.codes.resize(nb * 512);
+  t.d.resize(nb * 16);
+  t.off.resize(nb * 16);
+  const int64_t bytes = quant_block_bytes(w.encoding, w.group, w.K);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(w.row_bytes)));
+  const __m512i zero = _mm512_setzero_si512(), low = _mm512_set1_epi8(0x0f);
+  const bool q8 = w.encoding == QuantEncoding::Q8_0, q4_1 = w.encoding == QuantEncoding::Q4_1;
+  const int64_t codes_at = q8 ? 2 : q4_1 ? 4 : 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w.data + n * w.row_bytes + b * bytes;
+    __m512i* dst = reinterpret_cast<__m512i*>(t.codes.data() + b * 512);
+    if (q8) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
+        _mm512_storeu_si512(dst + j, _mm512_maskz_xor_epi32(lanes, g, _mm512_set1_epi8(-128)));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
+        _mm512_storeu_si512(dst + j, _mm512_and_si512(g, low));
+        _mm512_storeu_si512(dst + j + 4, _mm512_and_si512(_mm512_srli_epi16(g, 4), low));
+      }
+    }
+    // the block's first four bytes: f16 d, then Q4_1's f16 m
+    const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    __m512 off = _mm512_setzero_ps();
+    if (q4_1) off = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+    else if (!q8) off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    _mm512_storeu_ps(t.d.data() + b * 16, d);
+    _mm512_storeu_ps(t.off.data() + b * 16, off);
+  }
+}
+
+// x rounded as quantize_x_q8 does (the same float operations, vectorized), with each
+// block's exact float sum (S) and, for Q8_0, 128 times its integer sum. False when x
+// holds a NaN or an infinity (the call then takes the float path).
+bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* x128) {
+  const int64_t nb = K / 32;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * K + 32 * b;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      // NaN or inf (max_ps would drop a NaN, so ask each lane's class)
+      if (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) return false;
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // nearest-even, as nearbyint
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      int8_t* out = xq + m * K + 32 * b;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
+      xd[m * nb + b] = d;
+      xs[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      x128[m * nb + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  }
+  return true;
+}
+
+// out[m, 0..lanes) for MR rows of x (from row m0) against one tile.
+template <int MR, bool kQ8>
+void vnni_block(const VnniTile& t, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                const int32_t* x128, int64_t K, int64_t m0, float* out, int64_t ldo, __mmask16 lanes) {
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i* cv = reinterpret_cast<const __m512i*>(t.codes.data() + b * 512);
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(cv + j);
+    __m512i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        std::memcpy(&four, xq + (m0 + i) * K + 32 * b + 4 * j, 4);
+        isum[i] = _mm512_dpbusd_epi32(isum[i], w[j], _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(t.d.data() + b * 16);
+    const __m512 off = _mm512_loadu_ps(t.off.data() + b * 16);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (m0 + i) * nb + b;
+      __m512i s = isum[i];
+      if (kQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x128[at]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xd[at])), acc[i]);
+      if (!kQ8) acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[at]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo, lanes, acc[i]);
+}
+
+template <bool kQ8>
+void vnni_rows_of_x(const VnniTile& t, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                    const int32_t* x128, int64_t M, int64_t K, float* out, int64_t ldo, __mmask16 lanes) {
+  int64_t m = 0;
+  for (; m + kVnniMaxMr <= M; m += kVnniMaxMr) vnni_block<kVnniMaxMr, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes);
+  switch (M - m) {
+    case 7: vnni_block<7, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 6: vnni_block<6, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 5: vnni_block<5, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 4: vnni_block<4, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 3: vnni_block<3, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 2: vnni_block<2, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 1: vnni_block<1, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    default: break;
+  }
+}
+
+// The integer GEMM over output features [n_begin, n_end), or false (nothing written)
+// when this call is not one for it: another encoding, or x not finite.
+bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
+  const QuantWeight& w = a.w;
+  if (w.encoding != QuantEncoding::Q4_0 && w.encoding != QuantEncoding::Q4_1 && w.encoding != QuantEncoding::Q8_0) return false;
+  const int64_t nb = w.K / 32;
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> xd, xs;
+  static thread_local std::vector<int32_t> x128;
+  static thread_local VnniTile tile;
+  xq.resize(a.M * w.K);
+  xd.resize(a.M * nb);
+  xs.resize(a.M * nb);
+  x128.resize(a.M * nb);
+  if (!quantize_rows_q8(a.x, a.M, w.K, xq.data(), xd.data(), xs.data(), x128.data())) return false;
+  const bool q8 = w.encoding == QuantEncoding::Q8_0;
+  for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
+    const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
+    prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
+    vnni_tile(w, n, rows, nb, tile);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
+    if (q8) vnni_rows_of_x<true>(tile, nb, xq.data(), xd.data(), xs.data(), x128.data(), a.M, w.K, a.out + n, w.N, lanes);
+    else vnni_rows_of_x<false>(tile, nb, xq.data(), xd.data(), xs.data(), x128.data(), a.M, w.K, a.out + n, w.N, lanes);
+  }
+  return true;
+}
+constexpr bool kHaveVnniGemm = true;
+#else
+constexpr int64_t kVnniMinRows = 2;
+bool vnni_rows(const QuantLinearArgs&, int64_t, int64_t) { return false; }
+constexpr bool kHaveVnniGemm = false;
+#endif
+
 // Up to this many rows of x take the fused path, more the dequantized tile: decoding
 // once and applying each further row from the tile is as cheap as decoding again for
 // two rows and cheaper from three on (measured on a Zen 3; a variant decoding each
@@ -1200,7 +1376,7 @@ void quantized_linear_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_
 #if PYAGENT_QUANT_SIMD
   if (a.M <= kFusedMaxRows) {
     fused_rows(a, n_begin, n_end);
-  } else {
+  } else if (!(kHaveVnniGemm && a.int8_activations && a.M >= kVnniMinRows && vnni_rows(a, n_begin, n_end))) {
     tiled_rows(a, n_begin, n_end);
   }
 #else

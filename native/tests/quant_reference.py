@@ -156,3 +156,41 @@ def check_linear(data, encoding, group, x, bias, threads, isa):
     worst = np.unravel_index(np.argmax(err - tol), err.shape)
     assert np.all(err <= tol), f"{encoding} M={m} N={n} K={k}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
     return out
+
+
+def round_x_q8(x):
+    """x [M, K] rounded to int8 per block of 32 as the kernels do it, in float32:
+    d = max|x_b| / 127, q = round-half-even(x * (1 / d)). Returns (q int64 [M, K],
+    d float64 [M, K / 32])."""
+    m, k = x.shape
+    blocks = x.astype(np.float32).reshape(m, k // 32, 32)
+    d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d > 0)
+    q = np.rint((blocks * inv[:, :, None]).astype(np.float32)).astype(np.int64)
+    return q.reshape(m, k), d.astype(np.float64)
+
+
+def int8_reference(x, data, encoding):
+    """The integer-activation product of Q4_0 / Q4_1 / Q8_0 in float64: per block b,
+    (d_w * d_x) * sum(code * q_x), exact in integers, plus the block's offset (Q4_1's m,
+    Q4_0's -8 d) times the exact sum of x over the block. Returns (value [M, N], and the
+    sum of the terms' magnitudes, the scale of float32 accumulation error)."""
+    m, k = x.shape
+    n = data.shape[0]
+    blocks = data.reshape(n, k // 32, GGUF_LAYOUT[encoding][1])
+    d = _half(blocks, 0)
+    if encoding == "Q8_0":
+        codes, offset = blocks[:, :, 2:34].view(np.int8).astype(np.int64), np.zeros_like(d)
+    else:
+        qs = blocks[:, :, 4:20] if encoding == "Q4_1" else blocks[:, :, 2:18]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64)
+        offset = _half(blocks, 2) if encoding == "Q4_1" else -8.0 * d
+    q, dx = round_x_q8(x)
+    dots = np.einsum("mbk,nbk->mnb", q.reshape(m, k // 32, 32), codes)  # exact integers
+    xb = x.astype(np.float64).reshape(m, k // 32, 32)
+    scaled = dots * d[None] * dx[:, None, :]
+    offsets_term = offset[None] * xb.sum(axis=2)[:, None, :]
+    # the kernels sum x in float32: that error scales with sum |x|, not |sum x|
+    offsets_size = np.abs(offset)[None] * np.abs(xb).sum(axis=2)[:, None, :]
+    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + offsets_size).sum(axis=2)

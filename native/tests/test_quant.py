@@ -28,6 +28,7 @@ from native.tests.quant_reference import (
     assert_bits_equal,
     check_linear,
     dequantize,
+    int8_reference,
     random_weight,
     reference_dequantize,
 )
@@ -289,13 +290,63 @@ def test_int8_activations_stay_within_the_rounding_of_x(encoding, n, blocks, bia
     assert (np.abs(out - want) <= _int8_activation_bound(x, _code_weights(data, encoding, w), w)).all()
 
 
-@pytest.mark.parametrize("encoding, group, m", [("Q8_0", 0, 1), ("I4", 32, 1), ("Q4_1", 0, 3)])
+def _takes_int8(isa, encoding, m):
+    """Whether `isa`'s build rounds x to int8 for this product: the one-row Q4_0/Q4_1
+    kernels (AVX2 and AVX-512 builds) and the VNNI GEMM for Q4_0/Q4_1/Q8_0 from two
+    rows of x on (AVX-512 build)."""
+    if encoding not in ("Q4_0", "Q4_1", "Q8_0"):
+        return False
+    if m == 1:
+        return isa in ("avx2", "avx512") and encoding != "Q8_0"
+    return isa == "avx512"
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    encoding=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
+    m=st.integers(1, 64),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 20),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    isa=st.sampled_from(ISAS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int8_activations_match_the_float64_twin_of_the_same_rounding(encoding, m, n, blocks, bias, threads, isa, seed):
+    """With int8 activations the kernels compute, per block, (d_w d_x) * the exact
+    integer sum of code * q_x, plus the offset times the float sum of x: checked against
+    the same arithmetic in float64 (``int8_reference``), exact up to the float32
+    accumulation over blocks. Cases a build leaves in float32 give the float path's bits."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    data = random_weight(encoding, n, k, 0, rng)
+    x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+    x[rng.integers(0, m), rng.integers(0, k)] = 0.0
+    x[rng.integers(0, m), :32] = 0.0  # an all-zero block: scale 0
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    out = np.full((m, n), np.nan, np.float32)
+    _core.quantized_linear(out, x, data, encoding, 0, b, threads, isa, True)
+    if not _takes_int8(isa, encoding, m):
+        plain = np.empty_like(out)
+        _core.quantized_linear(plain, x, data, encoding, 0, b, threads, isa)
+        assert np.array_equal(out.view(np.uint32), plain.view(np.uint32))
+        return
+    want, magnitude = int8_reference(x, data, encoding)
+    if b is not None:
+        want, magnitude = want + b, magnitude + np.abs(b)
+    err = np.abs(out - want)
+    tol = (blocks + 8) * 2.0**-23 * magnitude + 1e-30
+    worst = np.unravel_index(np.argmax(err - tol), err.shape)
+    assert np.all(err <= tol), f"{encoding} {isa} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("encoding, group, m", [("Q8_0", 0, 1), ("I4", 32, 1), ("I4", 32, 5), ("Q6_K", 0, 4)])
 def test_int8_activations_leave_other_cases_in_float32(encoding, group, m):
-    """Only one-row Q4_0/Q4_1 products change: other encodings and several rows of x
-    give the float32 path's bits."""
+    """Encodings without an integer kernel (and one-row Q8_0) give the float32 path's bits."""
     rng = np.random.default_rng(1)
-    data = random_weight(encoding, 40, 96, group, rng)
-    x = rng.standard_normal((m, 96)).astype(np.float32)
+    k = 256 if encoding == "Q6_K" else 96
+    data = random_weight(encoding, 40, k, group, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     plain, flagged = np.empty((m, 40), np.float32), np.empty((m, 40), np.float32)
     _core.quantized_linear(plain, x, data, encoding, group, None, 2)
     _core.quantized_linear(flagged, x, data, encoding, group, None, 2, "auto", True)
@@ -317,9 +368,10 @@ def test_int8_activations_leave_non_finite_x_to_float32():
     rng = np.random.default_rng(3)
     data = random_weight("Q4_1", 8, 64, 0, rng)
     for bad in (np.inf, np.nan):
-        x = rng.standard_normal((1, 64)).astype(np.float32)
-        x[0, 5] = bad
-        plain, flagged = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
-        _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1)
-        _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "auto", True)
-        assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
+        for m in (1, 6):  # the one-row kernel and the GEMM
+            x = rng.standard_normal((m, 64)).astype(np.float32)
+            x[m - 1, 5] = bad
+            plain, flagged = np.empty((m, 8), np.float32), np.empty((m, 8), np.float32)
+            _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1)
+            _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "auto", True)
+            assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))

@@ -70,8 +70,8 @@ class PackedLinear(torch.nn.Module):
         )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.encoding, self.group = encodings.kernel_encoding(packed.encoding)
-        # Decode-sized Q4_0/Q4_1 products with x rounded to int8 per block of 32 (native
-        # AVX2 kernels only; see pyagent_native's kernels.h): faster, approximate.
+        # Products with x rounded to int8 per block of 32 (the native kernels that have
+        # an integer path; see pyagent_native's kernels.h): faster, approximate.
         self.int8_activations = bool(int8_activations)
         self.native = native_available() if native is None else native
         if self.native and not native_available():
