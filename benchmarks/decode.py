@@ -1,7 +1,7 @@
 """Quantized decode: this engine vs llama-cpp-python on the same GGUF file, in one run.
 
     .venv/bin/python benchmarks/decode.py                 # all three parts
-    .venv/bin/python benchmarks/decode.py --part single   # or: batch, memory
+    .venv/bin/python benchmarks/decode.py --part single   # or: batch, prefill, memory
 
 - ``single``: one stream, greedy, ``--max-tokens`` tokens after a chat prompt. Decode
   tok/s counts the tokens after the first over the time after the first (prefill and
@@ -13,6 +13,11 @@
   low-level API (one ``llama_decode`` per step carrying every sequence's token, greedy
   by argmax over each sequence's logits), the way ``llama-batched-bench`` runs it.
   Output tok/s over the whole run, prefill included for both.
+- ``prefill``: prompts of ``--prefill-tokens`` tokens (text from the shipped public-domain
+  file, a different one each round so no prefix cache helps), each prefilled in one step;
+  tokens/s = prompt tokens over the time to the first token (ours: ``generate`` with
+  ``max_tokens=1``; llama.cpp: ``eval`` of the prompt with ``n_batch=512``). Ours with
+  float32 and with int8 activations; llama.cpp before and after ours; medians.
 - ``memory``: each quantization loaded in a fresh process: bytes the model holds
   (parameters and buffers) and the process's resident-memory growth over the load.
 
@@ -71,18 +76,49 @@ def ours_single(model: str | None, ids: list[int], max_tokens: int, quantization
             "all": rates, "tokens": tokens}
 
 
-def ours_batch(model: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
+def ours_batch(model: str | None, prompts: list[list[int]], max_tokens: int, options: dict | None = None) -> dict:
     from pyagent_framework import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=max(64, len(prompts)), kv_cache_memory="512MiB", max_model_len=2048)
+    llm = LLM(model, max_num_seqs=max(64, len(prompts)), kv_cache_memory="512MiB", max_model_len=2048,
+              quantization_config=options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], params.replace(max_tokens=4))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine": f"pyagent ({llm.engine.quantization}, {len(prompts)} concurrent)", "tok_per_s": tokens / elapsed,
+    label = llm.engine.quantization + (f" {json.dumps(options)}" if options else "")
+    return {"engine": f"pyagent ({label}, {len(prompts)} concurrent)", "tok_per_s": tokens / elapsed,
             "seconds": elapsed, "tokens": tokens}
+
+
+def prefill_prompts(path: str, tokens: int, n: int) -> list[list[int]]:
+    """n prompts of `tokens` tokens: windows of the shipped text, each starting elsewhere."""
+    from pathlib import Path
+
+    from pyagent_framework import registries
+
+    text = Path(__file__).resolve().parent.parent / "plugins/pyagent-quant/tests/data/public_domain.txt"
+    ids = registries.tokenizers.load("hf").from_pretrained(path).encode(text.read_text())
+    while len(ids) < tokens + n:
+        ids = ids + ids
+    return [ids[i : i + tokens] for i in range(n)]
+
+
+def ours_prefill(model: str | None, prompts: list[list[int]], options: dict | None = None) -> dict:
+    from pyagent_framework import LLM, SamplingParams
+
+    llm = LLM(model, quantization_config=options, kv_cache_memory="256MiB", max_model_len=2048,
+              max_num_batched_tokens=max(2048, len(prompts[0])), enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(prompts[:1], params)  # warm-up
+    rates = []
+    for ids in prompts[1:]:
+        start = time.perf_counter()
+        llm.generate([ids], params)
+        rates.append(len(ids) / (time.perf_counter() - start))
+    label = llm.engine.quantization + (f" {json.dumps(options)}" if options else "")
+    return {"engine": f"pyagent ({label})", "tok_per_s": sorted(rates)[len(rates) // 2], "all": rates}
 
 
 # ----------------------------------------------------------------------------- llama.cpp
@@ -113,6 +149,18 @@ def llama_single(path: str, ids: list[int], max_tokens: int, rounds: int) -> dic
         rates.append((len(tokens) - 1) / (time.perf_counter() - first))
     rates = rates[1:]
     return {"engine": "llama-cpp-python", "decode_tok_per_s": sorted(rates)[len(rates) // 2], "all": rates, "tokens": tokens}
+
+
+def llama_prefill(path: str, prompts: list[list[int]]) -> dict:
+    llm = _llama(path, 2048)
+    rates = []
+    for ids in prompts:  # the first warms up
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        rates.append(len(ids) / (time.perf_counter() - start))
+    rates = rates[1:]
+    return {"engine": "llama-cpp-python", "tok_per_s": sorted(rates)[len(rates) // 2], "all": rates}
 
 
 def llama_batch(path: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -212,14 +260,15 @@ def memory(model: str | None, quantizations: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1 GGUF)")
-    parser.add_argument("--part", action="append", choices=["single", "batch", "memory"])
+    parser.add_argument("--part", action="append", choices=["single", "batch", "prefill", "memory"])
+    parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="single stream: timed rounds (median reported)")
     parser.add_argument("--quantization", action="append",
                         help="single stream: ours with these (default: gguf, then gguf with int8 activations)")
     args = parser.parse_args()
-    parts = args.part or ["single", "batch", "memory"]
+    parts = args.part or ["single", "batch", "prefill", "memory"]
 
     import torch
 
@@ -261,15 +310,34 @@ def main() -> None:
     if "batch" in parts:
         prompts = prompt_ids(path, args.concurrent)
         print(f"\n{args.concurrent} concurrent requests x {args.max_tokens} tokens, output tok/s (prefill included):")
-        ours = ours_batch(args.model, prompts, args.max_tokens)
-        line = f"  {ours['engine']:<52} {ours['tok_per_s']:7.1f}  ({ours['tokens']} tokens in {ours['seconds']:.1f} s)"
+        # llama.cpp before and after ours; the ratio takes the mean of its two runs
+        peers = [llama_batch(path, prompts, args.max_tokens)] if have_llama else []
+        results = [ours_batch(args.model, prompts, args.max_tokens, options) for options in (None, {"activations": "int8"})]
         if have_llama:
-            peer = llama_batch(path, prompts, args.max_tokens)
-            line += f"   ours/llama.cpp = {ours['tok_per_s'] / peer['tok_per_s']:.2f}x"
+            peers.append(llama_batch(path, prompts, args.max_tokens))
+        peer_rate = sum(p["tok_per_s"] for p in peers) / len(peers) if peers else None
+        for ours in results:
+            line = f"  {ours['engine']:<60} {ours['tok_per_s']:7.1f}  ({ours['tokens']} tokens in {ours['seconds']:.1f} s)"
+            if peer_rate:
+                line += f"   ours/llama.cpp = {ours['tok_per_s'] / peer_rate:.2f}x"
             print(line)
-            print(f"  {peer['engine']:<52} {peer['tok_per_s']:7.1f}  ({peer['tokens']} tokens in {peer['seconds']:.1f} s)")
-        else:
+        for peer in peers:
+            print(f"  {peer['engine']:<60} {peer['tok_per_s']:7.1f}  ({peer['tokens']} tokens in {peer['seconds']:.1f} s)")
+
+    if "prefill" in parts:
+        prompts = prefill_prompts(path, args.prefill_tokens, args.rounds + 1)
+        print(f"\nprefill of a {args.prefill_tokens}-token prompt, tokens/s (median of {args.rounds} rounds):")
+        before = llama_prefill(path, prompts) if have_llama else None
+        results = [ours_prefill(args.model, prompts, options) for options in (None, {"activations": "int8"})]
+        peer_all = (before["all"] + llama_prefill(path, prompts)["all"]) if have_llama else []
+        peer_rate = sorted(peer_all)[len(peer_all) // 2] if peer_all else None
+        for ours in results:
+            line = f"  {ours['engine']:<40} {ours['tok_per_s']:7.1f}  ({', '.join(f'{r:.0f}' for r in ours['all'])})"
+            if peer_rate:
+                line += f"   ours/llama.cpp = {ours['tok_per_s'] / peer_rate:.2f}x"
             print(line)
+        if peer_rate:
+            print(f"  {'llama-cpp-python (before and after)':<40} {peer_rate:7.1f}  ({', '.join(f'{r:.0f}' for r in peer_all)})")
 
     if "memory" in parts:
         rows = memory(args.model, ["none", "int8", "int4", "gguf"])

@@ -57,13 +57,13 @@ Kernels kernels_for(const std::string& requested) {
   const std::string source = from_env ? std::string(" (from ") + kEnv + ")" : "";
   if (isa == "generic" || isa == "portable") {
     return Kernels{generic::paged_decode_items, generic::linear_rows, generic::dequantize_rows,
-                   generic::quantized_linear_rows, generic::silu_mul_rows};
+                   generic::quantized_linear_rows, generic::silu_mul_rows, generic::int8_gemm};
   }
   if (isa == "avx2") {
 #if defined(PYAGENT_HAVE_AVX2)
     if (has_avx2) {
       return Kernels{avx2::paged_decode_items, avx2::linear_rows, avx2::dequantize_rows, avx2::quantized_linear_rows,
-                     avx2::silu_mul_rows};
+                     avx2::silu_mul_rows, avx2::int8_gemm};
     }
 #endif
     throw std::invalid_argument("isa 'avx2'" + source + " is not available on this CPU or in this build");
@@ -72,7 +72,7 @@ Kernels kernels_for(const std::string& requested) {
 #if defined(PYAGENT_HAVE_AVX512)
     if (has_avx512) {
       return Kernels{avx512::paged_decode_items, avx512::linear_rows, avx512::dequantize_rows,
-                     avx512::quantized_linear_rows, avx512::silu_mul_rows};
+                     avx512::quantized_linear_rows, avx512::silu_mul_rows, avx512::int8_gemm};
     }
 #endif
     throw std::invalid_argument("isa 'avx512'" + source + " is not available on this CPU or in this build");

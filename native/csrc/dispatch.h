@@ -18,6 +18,7 @@ using LinearFn = void (*)(const LinearArgs&, int64_t, int64_t);
 using DequantizeFn = void (*)(const QuantWeight&, float*, int64_t, int64_t);
 using QuantLinearFn = void (*)(const QuantLinearArgs&, int64_t, int64_t);
 using SiluMulFn = void (*)(const SiluMulArgs&, int64_t, int64_t);
+using Int8GemmFn = bool (*)(QuantEncoding);
 
 struct Kernels {
   DecodeFn decode;
@@ -25,6 +26,7 @@ struct Kernels {
   DequantizeFn dequantize;
   QuantLinearFn quantized_linear;
   SiluMulFn silu_mul;
+  Int8GemmFn int8_gemm;
 };
 
 Kernels kernels_for(const std::string& isa);

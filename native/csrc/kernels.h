@@ -135,6 +135,8 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
 // must read is outside [0, num_blocks); the caller reports the error.
 // The *_rows kernels compute output features (weight rows) [n_begin, n_end);
 // dequantize_rows writes rows of out[N, K]; silu_mul_rows computes rows [begin, end).
+// int8_gemm: whether quantized_linear_rows multiplies several rows of x in integers for
+// this encoding when int8_activations is set (so any number of rows is worth sending).
 #define PYAGENT_DECLARE_KERNELS(isa)                                                    \
   namespace isa {                                                                     \
   bool paged_decode_items(const DecodeArgs& args, int64_t begin, int64_t end,         \
@@ -145,6 +147,7 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
   void quantized_linear_rows(const QuantLinearArgs& args, int64_t n_begin,            \
                              int64_t n_end);                                          \
   void silu_mul_rows(const SiluMulArgs& args, int64_t begin, int64_t end);            \
+  bool int8_gemm(QuantEncoding encoding);                                             \
   }
 
 PYAGENT_DECLARE_KERNELS(generic)

@@ -221,6 +221,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"), py::arg("num_threads") = 1,
         py::arg("isa") = "auto",
         "out[M, n] = silu(gate_up[:, :n]) * gate_up[:, n:] (float32), the fused decoder's MLP activation.");
+  m.def(
+      "int8_gemm",
+      [](const std::string& encoding, const std::string& isa) {
+        return pyagent::kernels_for(isa).int8_gemm(pyagent::parse_quant_encoding(encoding));
+      },
+      py::arg("encoding"), py::arg("isa") = "auto",
+      "Whether quantized_linear with int8_activations multiplies several rows of x in integers for this "
+      "encoding in this build (then it beats dequantizing for any number of rows).");
   m.def("quant_row_bytes", &quant_row_bytes, py::arg("encoding"), py::arg("K"), py::arg("group") = 0,
         "Bytes per row of a weight of K input features in `encoding` (GGUF's 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', "
         "'Q5_1', 'IQ4_NL', 'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K'; 'I8' or 'I4'; group: I4's 32, 64 or 128).");

@@ -1372,6 +1372,15 @@ void dequantize_rows(const QuantWeight& w, float* out, int64_t n_begin, int64_t 
   }
 }
 
+bool int8_gemm(QuantEncoding e) {
+#if PYAGENT_QUANT_SIMD
+  return kHaveVnniGemm && (e == QuantEncoding::Q4_0 || e == QuantEncoding::Q4_1 || e == QuantEncoding::Q8_0);
+#else
+  (void)e;
+  return false;
+#endif
+}
+
 void quantized_linear_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
 #if PYAGENT_QUANT_SIMD
   if (a.M <= kFusedMaxRows) {

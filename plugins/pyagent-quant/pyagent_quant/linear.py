@@ -3,8 +3,10 @@
 :class:`PackedLinear` runs decode-sized inputs (up to ``max_rows`` rows) through the
 native core's fused dequantize-GEMV/GEMM, which reads each packed byte once; larger
 inputs (prefill) are compute-bound, so the weight is dequantized a slice of rows at a
-time and multiplied by torch's GEMM. Without the native core both run on the torch
-decoders of :mod:`pyagent_quant.encodings`.
+time and multiplied by torch's GEMM. With int8 activations and an encoding the core
+multiplies in integers (``_core.int8_gemm``), inputs of every size go to the core,
+whose integer GEMM is 2-3x torch's float one. Without the native core both run on the
+torch decoders of :mod:`pyagent_quant.encodings`.
 
 A weight with a column order (``PackedWeight.perm``, GPTQ act-order) takes
 ``x[..., perm]``; one with ``offsets`` (zero points the encoding cannot hold exactly)
@@ -76,6 +78,11 @@ class PackedLinear(torch.nn.Module):
         self.native = native_available() if native is None else native
         if self.native and not native_available():
             raise ValueError("the native core (pyagent-native, with quantized kernels) is not installed")
+        # With int8 activations and the core's integer GEMM for this encoding, every
+        # number of rows (prefill too) goes to the core: it beats dequantize + float GEMM.
+        self._any_rows = bool(
+            self.native and self.int8_activations and hasattr(_core, "int8_gemm") and _core.int8_gemm(self.encoding)
+        )
         if self.native:
             self._data_array = packed.data.numpy()
             self._bias_array = None if self.bias is None else self.bias.detach().numpy()
@@ -131,7 +138,8 @@ class PackedLinear(torch.nn.Module):
         flat = x.reshape(rows, self.in_features)
         if self.perm is not None:
             flat = flat.index_select(1, self.perm.to(flat.device))
-        if self.native and 0 < rows <= self.max_rows and x.device.type == "cpu" and not x.requires_grad:
+        small = 0 < rows <= self.max_rows or (rows > 0 and self._any_rows)
+        if self.native and small and x.device.type == "cpu" and not x.requires_grad:
             flat = flat.contiguous()
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             _core.quantized_linear(
