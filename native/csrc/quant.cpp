@@ -826,7 +826,7 @@ void fused_i8(const uint8_t* rows, int64_t row_bytes, int64_t K, const float* x,
 // Q4_0 / Q4_1 against x rounded to int8 per block (QuantLinearArgs::int8_activations):
 // the 32 codes (u8) times the 32 int8 x values in two instructions (pairs summed to
 // int16, then to int32), the block's d * dx folded in with one FMA. The offset term
-// (m, or Q4_0's -8 d) still takes the exact float sums of x.
+// (m, or Q4_0's -8 d) takes the sums of the rounded x (see fused_rows).
 template <int R, bool kMin>
 void fused_q4_q8(const uint8_t* rows, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
                  const float* sums, float* dst) {
@@ -1122,9 +1122,10 @@ void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const
 // times four int8 values of x broadcast to every lane, so after eight of them lane r
 // holds row r's integer dot product over the block, and no horizontal sum is needed:
 // per block and row of x,
-//     out[m, r] += (d_r * dx_m) * sum(code * xq) + off_r * S_m
-// with off_r the block's m (Q4_1) or -8 d (Q4_0) and S_m the exact float sum of the
-// block of x (as fused_q4_q8 does); Q8_0 takes 128 * sum(xq), in integers, off its sum.
+//     out[m, r] += (d_r * dx_m) * sum(code * xq) + off_r * dx_m * sum(xq)
+// with off_r the block's m (Q4_1) or -8 d (Q4_0); Q8_0 takes 128 * sum(xq), in
+// integers, off its sum. So the product is exactly the dequantized weight times the
+// dequantized x (as fused_q4_q8's).
 // Eight rows of x share each block's eight code vectors, in registers.
 
 constexpr int kVnniRows = 16;      // weight rows per tile (one 16-lane vector)
@@ -1178,7 +1179,7 @@ void vnni_tile(const QuantWeight& w, int64_t n, int64_t rows, int64_t nb, VnniTi
 }
 
 // x rounded as quantize_x_q8 does (the same float operations, vectorized), with each
-// block's exact float sum (S) and, for Q8_0, 128 times its integer sum. False when x
+// block's d_x * sum(q) and, for Q8_0, 128 * sum(q). False when x
 // holds a NaN or an infinity (the call then takes the float path).
 bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* x128) {
   const int64_t nb = K / 32;
@@ -1198,7 +1199,7 @@ bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
       xd[m * nb + b] = d;
-      xs[m * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      xs[m * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
       x128[m * nb + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
   }
@@ -1331,6 +1332,15 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
     xq.resize(w.K);
     xd.resize(full);
     q8 = quantize_x_q8(a.x, full, xq.data(), xd.data());
+    // The offset terms take the sums of the rounded x (d_x * sum q), so the product is
+    // exactly dequantized w times dequantized x: its error is sum w * (x8 - x), weighted
+    // by |w|, where exact sums of x would weight it by |d * code| (up to 15 d for a w of
+    // about 7 d).
+    for (int64_t b = 0; q8 && b < full; ++b) {
+      int32_t total = 0;
+      for (int i = 0; i < 32; ++i) total += xq[32 * b + i];
+      sums[4 * b + 1] = xd[b] * static_cast<float>(total);
+    }
   }
   if (q8) {
     const bool q4_1 = w.encoding == QuantEncoding::Q4_1;

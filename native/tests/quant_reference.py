@@ -174,8 +174,9 @@ def round_x_q8(x):
 def int8_reference(x, data, encoding):
     """The integer-activation product of Q4_0 / Q4_1 / Q8_0 in float64: per block b,
     (d_w * d_x) * sum(code * q_x), exact in integers, plus the block's offset (Q4_1's m,
-    Q4_0's -8 d) times the exact sum of x over the block. Returns (value [M, N], and the
-    sum of the terms' magnitudes, the scale of float32 accumulation error)."""
+    Q4_0's -8 d) times d_x * sum(q_x): the dequantized weight times the dequantized x.
+    Returns (value [M, N], and the sum of the terms' magnitudes, the scale of float32
+    accumulation error)."""
     m, k = x.shape
     n = data.shape[0]
     blocks = data.reshape(n, k // 32, GGUF_LAYOUT[encoding][1])
@@ -188,9 +189,7 @@ def int8_reference(x, data, encoding):
         offset = _half(blocks, 2) if encoding == "Q4_1" else -8.0 * d
     q, dx = round_x_q8(x)
     dots = np.einsum("mbk,nbk->mnb", q.reshape(m, k // 32, 32), codes)  # exact integers
-    xb = x.astype(np.float64).reshape(m, k // 32, 32)
+    qsum = q.reshape(m, k // 32, 32).sum(axis=2) * dx  # exact integer sums, times d_x
     scaled = dots * d[None] * dx[:, None, :]
-    offsets_term = offset[None] * xb.sum(axis=2)[:, None, :]
-    # the kernels sum x in float32: that error scales with sum |x|, not |sum x|
-    offsets_size = np.abs(offset)[None] * np.abs(xb).sum(axis=2)[:, None, :]
-    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + offsets_size).sum(axis=2)
+    offsets_term = offset[None] * qsum[:, None, :]
+    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + np.abs(offsets_term)).sum(axis=2)

@@ -245,49 +245,40 @@ def test_bad_dequantize_arguments():
 # --------------------------------------------------------------------------- int8 activations
 
 
-def _code_weights(data, encoding, w):
-    """``d * q`` per element: the part of ``w = d * q + offset`` (Q4_0: offset -8 d;
-    Q4_1: m) that the kernel multiplies with the int8-rounded x; the offset takes the
-    exact float sums of x."""
-    n, k = w.shape
-    blocks = data.reshape(n, k // 32, -1)
-    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)  # [n, blocks, 1]
-    offset = -8 * d if encoding == "Q4_0" else blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)
-    return (w.reshape(n, k // 32, 32) - offset).reshape(n, k)
-
-
-def _int8_activation_bound(x, codes, w):
-    """|sum d q (x - x8)| where x8 rounds x to int8 per block of 32 (scale max|x_b| /
-    127): each element moves at most half a step, max|x_b| / 254, weighted by |d q|
-    (not |w|: a code of 15 weighs 15 d where w is 7 d), plus float32 slack."""
+def _int8_activation_bound(x, w):
+    """|sum w (x8 - x)| where x8 rounds x to int8 per block of 32 (scale max|x_b| / 127):
+    each element moves at most half a step, max|x_b| / 254, weighted by |w| (the kernels
+    compute dequantized w times dequantized x8), plus float32 slack."""
     k = x.shape[1]
     step = np.abs(x.reshape(x.shape[0], k // 32, 32)).max(axis=2) / 127  # [M, blocks]
-    per_block = np.abs(codes).reshape(codes.shape[0], k // 32, 32).sum(axis=2)  # [N, blocks]
-    exact = np.abs(x.astype(np.float64)) @ (np.abs(w.T) + np.abs(codes.T))
+    per_block = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(axis=2)  # [N, blocks]
+    exact = np.abs(x.astype(np.float64)) @ np.abs(w.T)
     return (step / 2) @ per_block.T * (1 + 1e-3) + 1e-5 * exact + 1e-6
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    encoding=st.sampled_from(["Q4_0", "Q4_1"]),
+    encoding=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
+    m=st.integers(1, 9),
     n=st.integers(1, 70),
     blocks=st.integers(1, 20),
     bias=st.booleans(),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_int8_activations_stay_within_the_rounding_of_x(encoding, n, blocks, bias, threads, seed):
+def test_int8_activations_stay_within_the_rounding_of_x(encoding, m, n, blocks, bias, threads, seed):
+    """Against the exact float64 product: no worse than rounding x to int8 per block."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     data = random_weight(encoding, n, k, 0, rng)
     w = reference_dequantize(data, encoding, k).astype(np.float64)
-    x = (rng.standard_normal((1, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+    x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
     x[0, rng.integers(0, k)] = 0.0
     b = rng.standard_normal(n).astype(np.float32) if bias else None
-    out = np.empty((1, n), np.float32)
+    out = np.empty((m, n), np.float32)
     _core.quantized_linear(out, x, data, encoding, 0, b, threads, "auto", True)
     want = x.astype(np.float64) @ w.T + (0 if b is None else b)
-    assert (np.abs(out - want) <= _int8_activation_bound(x, _code_weights(data, encoding, w), w)).all()
+    assert (np.abs(out - want) <= _int8_activation_bound(x, w)).all()
 
 
 def _takes_int8(isa, encoding, m):
