@@ -107,8 +107,9 @@ struct QuantLinearArgs {
   // Opt-in: x is rounded to int8 per block of 32 (scale max|x| / 127) and the codes
   // are multiplied in integers, as llama.cpp does, with an error of up to
   // max|x_block| / 254 per element of x. Kernels: one row of x with Q4_0/Q4_1 (AVX2
-  // and AVX-512 builds; ~1.4x), several rows with Q4_0/Q4_1/Q8_0 (AVX-512 build,
-  // vpdpbusd; 2-2.8x the float tile at 16-64 rows). Ignored elsewhere (float32).
+  // and AVX-512 builds; ~1.4x), several rows with the encodings int8_gemm names
+  // (AVX-512 build, vpdpbusd; 2-3.5x the float tile at 32-64 rows). Ignored elsewhere
+  // (float32).
   bool int8_activations = false;
 };
 

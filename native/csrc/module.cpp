@@ -241,7 +241,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("int8_activations") = false,
         "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once. "
         "int8_activations: round x to int8 per block of 32 and multiply in integers where a build has the "
-        "kernel (one-row Q4_0/Q4_1: AVX2 and AVX-512; several rows of Q4_0/Q4_1/Q8_0: AVX-512 VNNI) "
+        "kernel (one-row Q4_0/Q4_1: AVX2 and AVX-512; several rows: AVX-512 VNNI, see int8_gemm) "
         "(faster, approximate; see kernels.h).");
   bind_decoder(m);
   bind_moe(m);

@@ -1113,74 +1113,202 @@ void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------
-// Integer GEMM for Q4_0, Q4_1 and Q8_0 against x rounded to int8 per block of 32
-// (QuantLinearArgs::int8_activations, several rows of x; AVX-512 VNNI build).
+// Integer GEMM against x rounded to int8 per block of 32 (QuantLinearArgs::
+// int8_activations, several rows of x; AVX-512 VNNI build), for Q4_0, Q4_1, Q8_0,
+// Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K and Q6_K.
 //
-// Sixteen weight rows at a time are laid out in a scratch in VNNI order: for block b,
-// eight 64-byte vectors, vector j holding in lane r the unsigned codes 4j..4j+3 of row
-// r (Q4: the nibbles; Q8_0: q + 128). One vpdpbusd then adds, in each lane, four codes
-// times four int8 values of x broadcast to every lane, so after eight of them lane r
-// holds row r's integer dot product over the block, and no horizontal sum is needed:
-// per block and row of x,
-//     out[m, r] += (d_r * dx_m) * sum(code * xq) + off_r * dx_m * sum(xq)
-// with off_r the block's m (Q4_1) or -8 d (Q4_0); Q8_0 takes 128 * sum(xq), in
-// integers, off its sum. So the product is exactly the dequantized weight times the
-// dequantized x (as fused_q4_q8's).
-// Eight rows of x share each block's eight code vectors, in registers.
+// Every encoding is read as units of 32 elements (one block of x) with unsigned codes
+// u (0..255) and, per half (H = 2: Q6_K's sub-blocks of 16) or whole unit (H = 1), a
+// scale s and an offset o, so that w = s * u + o exactly (Q8_0, IQ4_NL: u = value + 128,
+// o = -128 s, taken in integers). Sixteen weight rows at a time are laid out in a
+// scratch in VNNI order: for unit b, eight 64-byte vectors, vector j holding in lane r
+// the codes 4j..4j+3 of row r. One vpdpbusd then adds, in each lane, four codes times
+// four int8 values of x broadcast to every lane, so after eight of them lane r holds
+// row r's integer dot product over the unit (four per half), and no horizontal sum is
+// needed: per unit (half), row of x m and weight row r,
+//     out[m, r] += (s_r * dx_m) * sum(u * xq) + o_r * dx_m * sum(xq)
+// which is exactly the dequantized weight times the dequantized x (as fused_q4_q8's).
+// Up to eight rows of x share each unit's code vectors in registers.
 
 constexpr int kVnniRows = 16;      // weight rows per tile (one 16-lane vector)
-constexpr int kVnniMaxMr = 8;      // rows of x per register block
 constexpr int64_t kVnniMinRows = 2;  // fewer rows of x take the one-row path
 
 struct VnniTile {
-  std::vector<uint8_t> codes;  // [nb][8][16][4]
-  std::vector<float> d, off;   // [nb][16]
+  std::vector<uint8_t> codes;  // [units][8][16][4]
+  std::vector<float> s, o;     // [units][H][16]
 };
 
-// Rows [n, n + rows) of w (rows <= 16; the missing lanes get zero codes and scales),
-// gathered a dword per row at a time: lane r of gather j reads row r's code bytes
-// 4j..4j+3 (Q8_0) or the 16 nibble bytes' 4j..4j+3, whose low nibbles are codes
-// 4j..4j+3 and high nibbles codes 16 + 4j.. (vector j + 4).
-void vnni_tile(const QuantWeight& w, int64_t n, int64_t rows, int64_t nb, VnniTile& t) {
-  t.codes.resize(nb * 512);
-  t.d.resize(nb * 16);
-  t.off.resize(nb * 16);
-  const int64_t bytes = quant_block_bytes(w.encoding, w.group, w.K);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
-  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(static_cast<int32_t>(w.row_bytes)));
-  const __m512i zero = _mm512_setzero_si512(), low = _mm512_set1_epi8(0x0f);
-  const bool q8 = w.encoding == QuantEncoding::Q8_0, q4_1 = w.encoding == QuantEncoding::Q4_1;
-  const int64_t codes_at = q8 ? 2 : q4_1 ? 4 : 2;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w.data + n * w.row_bytes + b * bytes;
-    __m512i* dst = reinterpret_cast<__m512i*>(t.codes.data() + b * 512);
-    if (q8) {
-      for (int j = 0; j < 8; ++j) {
-        const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
-        _mm512_storeu_si512(dst + j, _mm512_maskz_xor_epi32(lanes, g, _mm512_set1_epi8(-128)));
-      }
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
-        _mm512_storeu_si512(dst + j, _mm512_and_si512(g, low));
-        _mm512_storeu_si512(dst + j + 4, _mm512_and_si512(_mm512_srli_epi16(g, 4), low));
-      }
-    }
-    // the block's first four bytes: f16 d, then Q4_1's f16 m
-    const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-    __m512 off = _mm512_setzero_ps();
-    if (q4_1) off = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-    else if (!q8) off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    _mm512_storeu_ps(t.d.data() + b * 16, d);
-    _mm512_storeu_ps(t.off.data() + b * 16, off);
+// How an encoding reads as units: halves per unit with their own scale (H), units per
+// stored block, and whether its codes are offset by 128 (o = -128 s, in integers).
+struct UnitForm {
+  int H;
+  int per_block;
+  bool q128;
+};
+
+inline bool unit_form(QuantEncoding e, UnitForm& f) {
+  switch (e) {
+    case QuantEncoding::Q4_0:
+    case QuantEncoding::Q4_1:
+    case QuantEncoding::Q5_0:
+    case QuantEncoding::Q5_1: f = {1, 1, false}; return true;
+    case QuantEncoding::Q8_0:
+    case QuantEncoding::IQ4_NL: f = {1, 1, true}; return true;
+    case QuantEncoding::Q4_K:
+    case QuantEncoding::Q5_K: f = {1, 8, false}; return true;
+    case QuantEncoding::Q6_K: f = {2, 8, false}; return true;
+    default: return false;
   }
 }
 
-// x rounded as quantize_x_q8 does (the same float operations, vectorized), with each
-// block's d_x * sum(q) and, for Q8_0, 128 * sum(q). False when x
-// holds a NaN or an infinity (the call then takes the float path).
+// One stored block of one row as units: codes[32 * u + i], s/o[H * u + h].
+void block_units(QuantEncoding e, const uint8_t* blk, uint8_t* codes, float* s, float* o) {
+  const __m256i flip = _mm256_set1_epi8(-128);
+  switch (e) {
+    case QuantEncoding::Q5_0: {  // q5_0_codes are code - 16 (signed)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_add_epi8(q5_0_codes(blk), _mm256_set1_epi8(16)));
+      s[0] = load_f16(blk);
+      o[0] = -16.0f * s[0];
+      break;
+    }
+    case QuantEncoding::Q5_1:
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), q5_1_codes(blk));
+      s[0] = load_f16(blk);
+      o[0] = load_f16(blk + 2);
+      break;
+    case QuantEncoding::IQ4_NL:
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_xor_si256(iq4_nl_values(blk), flip));
+      s[0] = load_f16(blk);
+      o[0] = 0.0f;
+      break;
+    case QuantEncoding::Q4_K:
+    case QuantEncoding::Q5_K: {
+      const bool q5 = e == QuantEncoding::Q5_K;
+      uint64_t sc, mn;
+      k_scale_min(blk + 4, sc, mn);
+      const float d = load_f16(blk), dmin = load_f16(blk + 2);
+      const uint8_t* qs = blk + (q5 ? 48 : 16);
+      const __m256i low = _mm256_set1_epi8(0x0f);
+      const __m256i qh = q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (q5) {  // bit 2c of qh[l] is bit 4 of sub-block 2c's code l, bit 2c + 1 of 2c + 1's
+          const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), _mm256_set1_epi8(1));
+          const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), _mm256_set1_epi8(1));
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 64 * c), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 64 * c + 32), hi);
+        for (int t = 0; t < 2; ++t) {
+          const int j = 2 * c + t;
+          s[j] = d * static_cast<float>((sc >> (8 * j)) & 0xff);
+          o[j] = -(dmin * static_cast<float>((mn >> (8 * j)) & 0xff));
+        }
+      }
+      break;
+    }
+    case QuantEncoding::Q6_K: {  // unit 4h + J is q6_codes<J> of half h, scales 2u, 2u + 1
+      const float d = load_f16(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const __m256i bias = _mm256_set1_epi8(32);  // q6_codes are code - 32
+      for (int h = 0; h < 2; ++h) {
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        uint8_t* c = codes + 128 * h;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm256_add_epi8(q6_codes<0>(ql0, ql1, qh), bias));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 32), _mm256_add_epi8(q6_codes<1>(ql0, ql1, qh), bias));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 64), _mm256_add_epi8(q6_codes<2>(ql0, ql1, qh), bias));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 96), _mm256_add_epi8(q6_codes<3>(ql0, ql1, qh), bias));
+      }
+      for (int i = 0; i < 16; ++i) {
+        s[i] = d * static_cast<float>(sc[i]);
+        o[i] = -32.0f * s[i];
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+// Rows [n, n + rows) of w (rows <= 16; the missing lanes get zero codes and scales).
+// Q4_0 / Q4_1 / Q8_0 gather straight from the weight, a dword per row at a time: lane
+// r of gather j reads row r's code bytes 4j..4j+3 (Q8_0) or nibble bytes 4j..4j+3,
+// whose low nibbles are codes 4j.. and high nibbles codes 16 + 4j.. (vector j + 4).
+// The others decode each row's block into units first (block_units), then gather
+// those (from L1).
+void vnni_tile(const QuantWeight& w, const UnitForm& f, int64_t n, int64_t rows, VnniTile& t) {
+  const int64_t units = w.K / 32, nblocks = units / f.per_block;
+  t.codes.resize(units * 512);
+  t.s.resize(units * f.H * 16);
+  t.o.resize(units * f.H * 16);
+  const int64_t bytes = quant_block_bytes(w.encoding, w.group, w.K);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i zero = _mm512_setzero_si512(), low = _mm512_set1_epi8(0x0f);
+  const QuantEncoding e = w.encoding;
+  if (e == QuantEncoding::Q4_0 || e == QuantEncoding::Q4_1 || e == QuantEncoding::Q8_0) {
+    const __m512i index = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(w.row_bytes)));
+    const bool q8 = e == QuantEncoding::Q8_0, q4_1 = e == QuantEncoding::Q4_1;
+    const int64_t codes_at = q4_1 ? 4 : 2;
+    for (int64_t b = 0; b < units; ++b) {
+      const uint8_t* blk = w.data + n * w.row_bytes + b * bytes;
+      __m512i* dst = reinterpret_cast<__m512i*>(t.codes.data() + b * 512);
+      if (q8) {
+        for (int j = 0; j < 8; ++j) {
+          const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
+          _mm512_storeu_si512(dst + j, _mm512_maskz_xor_epi32(lanes, g, _mm512_set1_epi8(-128)));
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
+          _mm512_storeu_si512(dst + j, _mm512_and_si512(g, low));
+          _mm512_storeu_si512(dst + j + 4, _mm512_and_si512(_mm512_srli_epi16(g, 4), low));
+        }
+      }
+      // the block's first four bytes: f16 d, then Q4_1's f16 m
+      const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+      __m512 off = _mm512_setzero_ps();
+      if (q4_1) off = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+      else if (!q8) off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      _mm512_storeu_ps(t.s.data() + b * 16, d);
+      _mm512_storeu_ps(t.o.data() + b * 16, off);
+    }
+    return;
+  }
+  // [16 rows][per_block * 32] codes and [16][per_block * H] scales / offsets of a block
+  const int64_t row_codes = 32 * f.per_block, row_scales = f.H * f.per_block;
+  alignas(64) uint8_t codes[16 * 256];
+  alignas(64) float s[16 * 16], o[16 * 16];
+  const __m512i index = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_codes)));
+  const __m512i sindex = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_scales)));
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    for (int64_t r = 0; r < rows; ++r) {
+      block_units(e, w.data + (n + r) * w.row_bytes + blk * bytes, codes + r * row_codes, s + r * row_scales,
+                  o + r * row_scales);
+    }
+    for (int64_t u = 0; u < f.per_block; ++u) {
+      const int64_t unit = blk * f.per_block + u;
+      __m512i* dst = reinterpret_cast<__m512i*>(t.codes.data() + unit * 512);
+      for (int j = 0; j < 8; ++j) {
+        _mm512_storeu_si512(dst + j, _mm512_mask_i32gather_epi32(zero, lanes, index, codes + 32 * u + 4 * j, 1));
+      }
+      for (int h = 0; h < f.H; ++h) {
+        const int64_t at = (unit * f.H + h) * 16;
+        _mm512_storeu_ps(t.s.data() + at, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, sindex, s + f.H * u + h, 4));
+        _mm512_storeu_ps(t.o.data() + at, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, sindex, o + f.H * u + h, 4));
+      }
+    }
+  }
+}
+
+// x rounded as quantize_x_q8 does (the same float operations, vectorized), with
+// d_x * sum(q) over each half of each block (xs[2 * block + half]) and 128 * sum(q)
+// over each block. False when x holds a NaN or an infinity (the call then takes the
+// float path).
 bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* x128) {
   const int64_t nb = K / 32;
   const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -1198,59 +1326,81 @@ bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
       int8_t* out = xq + m * K + 32 * b;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
-      xd[m * nb + b] = d;
-      xs[m * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-      x128[m * nb + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+      const int64_t at = m * nb + b;
+      xd[at] = d;
+      xs[2 * at] = d * static_cast<float>(s0);
+      xs[2 * at + 1] = d * static_cast<float>(s1);
+      x128[at] = 128 * (s0 + s1);
     }
   }
   return true;
 }
 
-// out[m, 0..lanes) for MR rows of x (from row m0) against one tile.
-template <int MR, bool kQ8>
-void vnni_block(const VnniTile& t, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                const int32_t* x128, int64_t K, int64_t m0, float* out, int64_t ldo, __mmask16 lanes) {
+// Activations of one call: rows of x rounded to int8 (see quantize_rows_q8).
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  const float* half_sums;
+  const int32_t* sums128;
+  int64_t K;
+  int64_t nb;
+};
+
+// out[m, 0..lanes) for MR rows of x (from row m0) against one tile: H halves per unit,
+// kQ128 for codes offset by 128.
+template <int MR, int H, bool kQ128>
+void vnni_block(const VnniTile& t, const Q8Rows& x, int64_t m0, float* out, int64_t ldo, __mmask16 lanes) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < x.nb; ++b) {
     const __m512i* cv = reinterpret_cast<const __m512i*>(t.codes.data() + b * 512);
-    __m512i w[8];
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(cv + j);
-    __m512i isum[MR];
-    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+    __m512i isum[H][MR];
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < MR; ++i) isum[h][i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_loadu_si512(cv + j);
+      const int h = H == 2 ? j / 4 : 0;
       for (int i = 0; i < MR; ++i) {
         int32_t four;
-        std::memcpy(&four, xq + (m0 + i) * K + 32 * b + 4 * j, 4);
-        isum[i] = _mm512_dpbusd_epi32(isum[i], w[j], _mm512_set1_epi32(four));
+        std::memcpy(&four, x.q + (m0 + i) * x.K + 32 * b + 4 * j, 4);
+        isum[h][i] = _mm512_dpbusd_epi32(isum[h][i], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 d = _mm512_loadu_ps(t.d.data() + b * 16);
-    const __m512 off = _mm512_loadu_ps(t.off.data() + b * 16);
-    for (int i = 0; i < MR; ++i) {
-      const int64_t at = (m0 + i) * nb + b;
-      __m512i s = isum[i];
-      if (kQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x128[at]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xd[at])), acc[i]);
-      if (!kQ8) acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[at]), acc[i]);
+    for (int h = 0; h < H; ++h) {
+      const __m512 s = _mm512_loadu_ps(t.s.data() + (b * H + h) * 16);
+      const __m512 o = _mm512_loadu_ps(t.o.data() + (b * H + h) * 16);
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = (m0 + i) * x.nb + b;
+        __m512i sum = isum[h][i];
+        if (kQ128) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(x.sums128[at]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(x.d[at])), acc[i]);
+        if (!kQ128) {
+          const float xs = H == 2 ? x.half_sums[2 * at + h] : x.half_sums[2 * at] + x.half_sums[2 * at + 1];
+          acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs), acc[i]);
+        }
+      }
     }
   }
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo, lanes, acc[i]);
 }
 
-template <bool kQ8>
-void vnni_rows_of_x(const VnniTile& t, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                    const int32_t* x128, int64_t M, int64_t K, float* out, int64_t ldo, __mmask16 lanes) {
+// Every row of x against one tile, MR rows at a time (eight with one scale per unit,
+// four with two: the registers hold MR * H integer sums, the eight code vectors and MR
+// accumulators).
+template <int H, bool kQ128>
+void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t M, float* out, int64_t ldo, __mmask16 lanes) {
+  constexpr int kMr = H == 2 ? 4 : 8;
   int64_t m = 0;
-  for (; m + kVnniMaxMr <= M; m += kVnniMaxMr) vnni_block<kVnniMaxMr, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes);
+  for (; m + kMr <= M; m += kMr) vnni_block<kMr, H, kQ128>(t, x, m, out, ldo, lanes);
   switch (M - m) {
-    case 7: vnni_block<7, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 6: vnni_block<6, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 5: vnni_block<5, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 4: vnni_block<4, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 3: vnni_block<3, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 2: vnni_block<2, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
-    case 1: vnni_block<1, kQ8>(t, nb, xq, xd, xs, x128, K, m, out, ldo, lanes); break;
+    case 7: vnni_block<7, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 6: vnni_block<6, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 5: vnni_block<5, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 4: vnni_block<4, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 3: vnni_block<3, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 2: vnni_block<2, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 1: vnni_block<1, H, kQ128>(t, x, m, out, ldo, lanes); break;
     default: break;
   }
 }
@@ -1259,7 +1409,8 @@ void vnni_rows_of_x(const VnniTile& t, int64_t nb, const int8_t* xq, const float
 // when this call is not one for it: another encoding, or x not finite.
 bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
-  if (w.encoding != QuantEncoding::Q4_0 && w.encoding != QuantEncoding::Q4_1 && w.encoding != QuantEncoding::Q8_0) return false;
+  UnitForm f;
+  if (!unit_form(w.encoding, f)) return false;
   const int64_t nb = w.K / 32;
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xd, xs;
@@ -1267,17 +1418,19 @@ bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
   static thread_local VnniTile tile;
   xq.resize(a.M * w.K);
   xd.resize(a.M * nb);
-  xs.resize(a.M * nb);
+  xs.resize(2 * a.M * nb);
   x128.resize(a.M * nb);
   if (!quantize_rows_q8(a.x, a.M, w.K, xq.data(), xd.data(), xs.data(), x128.data())) return false;
-  const bool q8 = w.encoding == QuantEncoding::Q8_0;
+  const Q8Rows x{xq.data(), xd.data(), xs.data(), x128.data(), w.K, nb};
   for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
     const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
     prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
-    vnni_tile(w, n, rows, nb, tile);
+    vnni_tile(w, f, n, rows, tile);
     const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
-    if (q8) vnni_rows_of_x<true>(tile, nb, xq.data(), xd.data(), xs.data(), x128.data(), a.M, w.K, a.out + n, w.N, lanes);
-    else vnni_rows_of_x<false>(tile, nb, xq.data(), xd.data(), xs.data(), x128.data(), a.M, w.K, a.out + n, w.N, lanes);
+    float* out = a.out + n;
+    if (f.q128) vnni_rows_of_x<1, true>(tile, x, a.M, out, w.N, lanes);
+    else if (f.H == 2) vnni_rows_of_x<2, false>(tile, x, a.M, out, w.N, lanes);
+    else vnni_rows_of_x<1, false>(tile, x, a.M, out, w.N, lanes);
   }
   return true;
 }
@@ -1383,8 +1536,12 @@ void dequantize_rows(const QuantWeight& w, float* out, int64_t n_begin, int64_t 
 }
 
 bool int8_gemm(QuantEncoding e) {
-#if PYAGENT_QUANT_SIMD
-  return kHaveVnniGemm && (e == QuantEncoding::Q4_0 || e == QuantEncoding::Q4_1 || e == QuantEncoding::Q8_0);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  UnitForm f;
+  return unit_form(e, f);
+#elif PYAGENT_QUANT_SIMD
+  (void)e;
+  return false;
 #else
   (void)e;
   return false;

@@ -193,3 +193,36 @@ def int8_reference(x, data, encoding):
     scaled = dots * d[None] * dx[:, None, :]
     offsets_term = offset[None] * qsum[:, None, :]
     return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + np.abs(offsets_term)).sum(axis=2)
+
+
+# Encodings the AVX-512 build's integer GEMM reads (``_core.int8_gemm``).
+INT8_GEMM = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K")
+
+
+def int8_unit_offsets(data, encoding, k):
+    """Per element, |o| where the integer GEMM reads w = s * u + o with unsigned codes u
+    and takes o times a sum of the rounded x in float32 (zero where it corrects for o
+    in integers: Q8_0, IQ4_NL)."""
+    n = data.shape[0]
+    if encoding in ("Q8_0", "IQ4_NL"):
+        return np.zeros((n, k))
+    if encoding == "Q5_0":
+        blocks = data.reshape(n, -1, GGUF_LAYOUT[encoding][1])
+        return np.repeat(16.0 * np.abs(_half(blocks, 0)), 32, axis=1)
+    if encoding == "Q6_K":
+        blocks = data.reshape(n, -1, GGUF_LAYOUT[encoding][1])
+        scales = blocks[:, :, 192:208].view(np.int8).astype(np.float64) * _half(blocks, 208)[:, :, None]
+        return np.repeat(32.0 * np.abs(scales.reshape(n, -1)), 16, axis=1)
+    return np.abs(offsets(data, encoding, k))
+
+
+def int8_gemm_reference(x, data, encoding):
+    """The integer GEMM's product in float64: the reference's dequantized weight times x
+    rounded to int8 per block of 32 (``round_x_q8``). Returns (value, and the magnitude
+    sum (|w| + |o|) |x8| that scales its float32 rounding)."""
+    m, k = x.shape
+    q, dx = round_x_q8(x)
+    x8 = (q.reshape(m, k // 32, 32) * dx[:, :, None]).reshape(m, k)
+    w = reference_dequantize(data, encoding, k).astype(np.float64)
+    size = np.abs(w) + int8_unit_offsets(data, encoding, k)
+    return x8 @ w.T, np.abs(x8) @ size.T

@@ -27,7 +27,9 @@ from native.tests.quant_reference import (
     ISAS,
     assert_bits_equal,
     check_linear,
+    INT8_GEMM,
     dequantize,
+    int8_gemm_reference,
     int8_reference,
     random_weight,
     reference_dequantize,
@@ -283,18 +285,22 @@ def test_int8_activations_stay_within_the_rounding_of_x(encoding, m, n, blocks, 
 
 def _takes_int8(isa, encoding, m):
     """Whether `isa`'s build rounds x to int8 for this product: the one-row Q4_0/Q4_1
-    kernels (AVX2 and AVX-512 builds) and the VNNI GEMM for Q4_0/Q4_1/Q8_0 from two
-    rows of x on (AVX-512 build)."""
-    if encoding not in ("Q4_0", "Q4_1", "Q8_0"):
-        return False
+    kernels (AVX2 and AVX-512 builds) and, from two rows of x on, the AVX-512 build's
+    VNNI GEMM for the encodings of INT8_GEMM."""
     if m == 1:
-        return isa in ("avx2", "avx512") and encoding != "Q8_0"
-    return isa == "avx512"
+        return isa in ("avx2", "avx512") and encoding in ("Q4_0", "Q4_1")
+    return isa == "avx512" and encoding in INT8_GEMM
 
 
-@settings(max_examples=120, deadline=None)
+def test_int8_gemm_names_its_encodings():
+    for isa in ISAS:
+        for encoding in GGUF + ("I8",):
+            assert _core.int8_gemm(encoding, isa) == (isa == "avx512" and encoding in INT8_GEMM)
+
+
+@settings(max_examples=150, deadline=None)
 @given(
-    encoding=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
+    encoding=st.sampled_from(INT8_GEMM),
     m=st.integers(1, 64),
     n=st.integers(1, 70),
     blocks=st.integers(1, 20),
@@ -304,12 +310,15 @@ def _takes_int8(isa, encoding, m):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_int8_activations_match_the_float64_twin_of_the_same_rounding(encoding, m, n, blocks, bias, threads, isa, seed):
-    """With int8 activations the kernels compute, per block, (d_w d_x) * the exact
-    integer sum of code * q_x, plus the offset times the float sum of x: checked against
-    the same arithmetic in float64 (``int8_reference``), exact up to the float32
-    accumulation over blocks. Cases a build leaves in float32 give the float path's bits."""
+    """With int8 activations the kernels compute the dequantized weight times x rounded
+    to int8 per block of 32. Q4_0/Q4_1/Q8_0 against the integer arithmetic itself in
+    float64 (``int8_reference``: per block, (d_w d_x) * the exact integer sum, plus the
+    offset times d_x * sum(q)); every GEMM encoding against the reference's dequantized
+    weight times the rounded x (``int8_gemm_reference``); both exact up to float32
+    rounding. Cases a build leaves in float32 give the float path's bits."""
     rng = np.random.default_rng(seed)
-    k = 32 * blocks
+    per_block = GGUF_LAYOUT[encoding][0]
+    k = per_block * (blocks if per_block == 32 else 1 + blocks % 4)
     data = random_weight(encoding, n, k, 0, rng)
     x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
     x[rng.integers(0, m), rng.integers(0, k)] = 0.0
@@ -322,20 +331,27 @@ def test_int8_activations_match_the_float64_twin_of_the_same_rounding(encoding, 
         _core.quantized_linear(plain, x, data, encoding, 0, b, threads, isa)
         assert np.array_equal(out.view(np.uint32), plain.view(np.uint32))
         return
-    want, magnitude = int8_reference(x, data, encoding)
-    if b is not None:
-        want, magnitude = want + b, magnitude + np.abs(b)
-    err = np.abs(out - want)
-    tol = (blocks + 8) * 2.0**-23 * magnitude + 1e-30
-    worst = np.unravel_index(np.argmax(err - tol), err.shape)
-    assert np.all(err <= tol), f"{encoding} {isa} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+    units = k // 32
+    twins = [int8_gemm_reference(x, data, encoding)]
+    if encoding in ("Q4_0", "Q4_1", "Q8_0"):
+        twins.append(int8_reference(x, data, encoding))
+    for want, magnitude in twins:
+        if b is not None:
+            want, magnitude = want + b, magnitude + np.abs(b)
+        err = np.abs(out - want)
+        tol = (units + 10) * 2.0**-23 * magnitude + 1e-30
+        worst = np.unravel_index(np.argmax(err - tol), err.shape)
+        assert np.all(err <= tol), f"{encoding} {isa} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
 
 
-@pytest.mark.parametrize("encoding, group, m", [("Q8_0", 0, 1), ("I4", 32, 1), ("I4", 32, 5), ("Q6_K", 0, 4)])
+@pytest.mark.parametrize(
+    "encoding, group, m", [("Q8_0", 0, 1), ("Q6_K", 0, 1), ("I4", 32, 1), ("I4", 32, 5), ("Q3_K", 0, 4), ("I8", 0, 3)]
+)
 def test_int8_activations_leave_other_cases_in_float32(encoding, group, m):
-    """Encodings without an integer kernel (and one-row Q8_0) give the float32 path's bits."""
+    """Encodings without an integer kernel (and one-row products other than Q4_0/Q4_1)
+    give the float32 path's bits."""
     rng = np.random.default_rng(1)
-    k = 256 if encoding == "Q6_K" else 96
+    k = 256 if encoding in ("Q6_K", "Q3_K") else 96
     data = random_weight(encoding, 40, k, group, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
     plain, flagged = np.empty((m, 40), np.float32), np.empty((m, 40), np.float32)

@@ -101,8 +101,9 @@ class GGUFQuantizer(Quantizer):
     the dequantized model) or ``"int8"``: x is rounded to int8 per block of 32 and
     multiplied in integers, as llama.cpp does (~1% error per product): one-row
     ``Q4_0``/``Q4_1`` products in the native AVX2 and AVX-512 builds (about 1.4x
-    faster), and ``Q4_0``/``Q4_1``/``Q8_0`` with several rows (batched decode, chunked
-    prefill) in the AVX-512 build's VNNI GEMM (2-2.8x the float GEMM at 16-64 rows)."""
+    faster), and several rows (batched decode, prefill) of ``Q4_0``/``Q4_1``/``Q8_0``/
+    ``Q5_0``/``Q5_1``/``IQ4_NL``/``Q4_K``/``Q5_K``/``Q6_K`` in the AVX-512 build's VNNI
+    GEMM (2-3.5x the float GEMM at 32-64 rows)."""
 
     name = "gguf"
     supported_devices = ("cpu",)
