@@ -226,19 +226,62 @@ def bench_isas(repeat: int, threads: int) -> None:
             print(f"  {encoding:<7} {n:>4}x{k:<4} rows {rows:>2}: {cells}   {simd / times[-1]:4.2f}x")
 
 
+def bench_int8(repeat: int, threads: int) -> None:
+    """The integer GEMM (int8 activations) against the float path on the same weights,
+    per encoding, at the row counts of batched decode (4-64) and of a 512-token prefill,
+    where the float path is dequantize + torch's GEMM (what PackedLinear does past 64
+    rows without int8 activations)."""
+    import numpy as np
+
+    from native.tests.quant_reference import INT8_GEMM, random_weight
+    from pyagent_native import _core
+
+    rng = np.random.default_rng(0)
+    n, k = 3072, 1024
+    print(f"int8 activations (threads={threads}): GOP/s of {n}x{k} products, float path / integer GEMM = speed-up")
+    for encoding in INT8_GEMM:
+        if not _core.int8_gemm(encoding):
+            print(f"  {encoding}: no integer GEMM in this build")
+            continue
+        weight = random_weight(encoding, n, k, 0, rng)
+        dense = torch.empty(n, k)
+        cells = []
+        for rows in (4, 16, 32, 64, 512):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            out = np.empty((rows, n), np.float32)
+            if rows <= 64:
+                def plain():
+                    _core.quantized_linear(out, x, weight, encoding, 0, None, threads)
+            else:
+                xt = torch.from_numpy(x)
+
+                def plain():
+                    _core.dequantize(dense.numpy(), weight, encoding, 0, threads)
+                    F.linear(xt, dense)
+
+            def integer():
+                _core.quantized_linear(out, x, weight, encoding, 0, None, threads, "auto", True)
+
+            flops = 2 * rows * n * k / 1e6  # per ms = GFLOP/s
+            a, b = best_ms(plain, repeat), best_ms(integer, repeat)
+            cells.append(f"{rows:>3}: {flops / a:5.0f} / {flops / b:5.0f} = {a / b:4.2f}x")
+        print(f"  {encoding:<7} " + "   ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch and native threads (default: torch's)")
     parser.add_argument(
-        "--only", choices=["linear", "quantized", "attention", "isas"], action="append", help="run only these sections"
+        "--only", choices=["linear", "quantized", "attention", "isas", "int8"], action="append",
+        help="run only these sections"
     )
     args = parser.parse_args()
     from pyagent_native import _core
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    sections = args.only or ["linear", "quantized", "attention", "isas"]
+    sections = args.only or ["linear", "quantized", "attention", "isas", "int8"]
     print(f"native core ISA: {_core.best_isa()}")
     with torch.inference_mode():
         if "linear" in sections:
@@ -249,6 +292,8 @@ def main() -> None:
         bench_attention(args.repeat)
     if "isas" in sections:
         bench_isas(args.repeat, torch.get_num_threads())
+    if "int8" in sections:
+        bench_int8(args.repeat, torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -285,10 +285,12 @@ def test_int8_activations_stay_within_the_rounding_of_x(encoding, m, n, blocks, 
 
 def _takes_int8(isa, encoding, m):
     """Whether `isa`'s build rounds x to int8 for this product: the one-row Q4_0/Q4_1
-    kernels (AVX2 and AVX-512 builds) and, from two rows of x on, the AVX-512 build's
-    VNNI GEMM for the encodings of INT8_GEMM."""
+    kernels (AVX2 and AVX-512 builds) and the AVX-512 build's VNNI GEMM for the
+    encodings of INT8_GEMM, from two rows of x on (Q4_0/Q4_1/Q8_0) or eight (the rest)."""
     if m == 1:
         return isa in ("avx2", "avx512") and encoding in ("Q4_0", "Q4_1")
+    if m < 8 and encoding not in ("Q4_0", "Q4_1", "Q8_0"):  # decoded tiles: from 8 rows on
+        return False
     return isa == "avx512" and encoding in INT8_GEMM
 
 
