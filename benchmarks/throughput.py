@@ -6,7 +6,9 @@ llama-cpp-python) on the same model and the same work, in one run.
     .venv/bin/python benchmarks/throughput.py --peer llama-cpp # adds llama-cpp-python on the GGUF
     python benchmarks/throughput.py --device cuda --dtype bfloat16 --hf-batch-size 64  # on a GPU
 
-Greedy, ignore EOS, the same dtype for both engines (float32 by default; ours with the
+transformers runs before and after ours and counts as both runs together (total tokens
+over total time). Greedy, ignore EOS, the same dtype for both engines unless
+``--peer-dtype`` says otherwise (float32 by default; ours with the
 float32 linears, `native` or `none`, even on the GGUF, whose default is its quantized
 tensors: `benchmarks/decode.py` measures that path), both on ``--device``. Prints
 output tokens per second for each and the ratio ours / peer. Model loading is not
@@ -74,7 +76,8 @@ def load_transformers(path: str, device: str = "cpu", dtype: str = "float32"):
 
 
 def run_transformers(path: str, prompt_ids: list[list[int]], max_tokens: int, batch_size: int, args) -> dict:
-    model, tokenizer = load_transformers(path, args.device, args.dtype)
+    dtype = args.peer_dtype or args.dtype
+    model, tokenizer = load_transformers(path, args.device, dtype)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def batch(ids_list):
@@ -92,7 +95,7 @@ def run_transformers(path: str, prompt_ids: list[list[int]], max_tokens: int, ba
     tokens = sum(batch(prompt_ids[i : i + batch_size]) for i in range(0, len(prompt_ids), batch_size))
     _synchronize(args.device)
     elapsed = time.perf_counter() - start
-    return {"engine": f"transformers generate (batch {batch_size}, {args.dtype})", "seconds": elapsed,
+    return {"engine": f"transformers generate (batch {batch_size}, {dtype})", "seconds": elapsed,
             "output_tokens": tokens, "tok_per_s": tokens / elapsed}
 
 
@@ -129,6 +132,8 @@ def main() -> None:
     parser.add_argument("--peer", action="append", default=["transformers"], choices=["transformers", "llama-cpp"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both engines)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="transformers' dtype (default: --dtype's)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -146,10 +151,18 @@ def main() -> None:
     ]
     hf_batch = 1 if args.mode == "single" else args.hf_batch_size
 
+    # transformers runs before and after ours (the machine drifts over a run); its
+    # figure is the mean of the two
+    before = run_transformers(path, prompt_ids, args.max_tokens, hf_batch, args) if "transformers" in args.peer else None
     results = [run_ours(args.model, prompt_ids, args.max_tokens, args)]
     for peer in dict.fromkeys(args.peer):
         if peer == "transformers":
-            results.append(run_transformers(path, prompt_ids, args.max_tokens, hf_batch, args))
+            after = run_transformers(path, prompt_ids, args.max_tokens, hf_batch, args)
+            mean = 2 / (1 / before["tok_per_s"] + 1 / after["tok_per_s"])  # of the rates: total tokens / total time
+            after.update(engine=after["engine"] + " (before, after)", seconds=before["seconds"] + after["seconds"],
+                         output_tokens=before["output_tokens"] + after["output_tokens"], tok_per_s=mean,
+                         rounds=[before["tok_per_s"], after["tok_per_s"]])
+            results.append(after)
         elif peer == "llama-cpp":
             try:
                 results.append(run_llama_cpp(path, prompt_ids, args.max_tokens))
@@ -171,6 +184,8 @@ def main() -> None:
           f"  device={summary['device']}  dtype={args.dtype}")
     for r in results:
         ratio = f"   ours/peer = {r['ours_over_peer']:.2f}x" if "ours_over_peer" in r else ""
+        if "rounds" in r:
+            ratio += f"   ({' and '.join(f'{x:.1f}' for x in r['rounds'])} tok/s)"
         print(f"  {r['engine']:<45} {r['tok_per_s']:8.1f} tok/s  ({r['output_tokens']} tokens in {r['seconds']:.1f} s){ratio}")
 
 
