@@ -36,12 +36,13 @@ SETTINGS = {
 }
 
 
-def scored(llm) -> list[float]:
+def scored(llm) -> tuple[list[float], list[int]]:
+    """Each token's logprob given the text before it, and the text's token ids."""
     from pyagent_framework import SamplingParams
 
     [out] = llm.generate(TEXT.read_text(), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     tokens = out.prompt_token_ids
-    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)]
+    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)], tokens
 
 
 def llama_cpp(token_ids: list[int], batch: int) -> float:
@@ -63,20 +64,17 @@ def llama_cpp(token_ids: list[int], batch: int) -> float:
 def main() -> None:
     import argparse
 
-    from pyagent_framework import LLM, SamplingParams
+    from pyagent_framework import LLM
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", choices=["llama-cpp"], action="append", default=[])
     args = parser.parse_args()
     results = {}
-    token_ids = None
     for name, (options, rows) in SETTINGS.items():
         start = time.perf_counter()
         llm = LLM(None, quantization_config=options, kv_cache_memory="128MiB", max_model_len=2048,
                   max_num_batched_tokens=rows)
-        logprobs = scored(llm)
-        if token_ids is None:
-            token_ids = llm.generate(TEXT.read_text(), SamplingParams(max_tokens=1))[0].prompt_token_ids
+        logprobs, token_ids = scored(llm)
         results[name] = math.exp(-sum(logprobs) / len(logprobs))
         del llm  # one engine (and its core process) at a time
         print(f"{name:30s} perplexity {results[name]:8.4f}  ({len(logprobs)} tokens, {time.perf_counter() - start:.0f} s)")
