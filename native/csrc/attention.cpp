@@ -7,6 +7,9 @@
 //      (then cap * tanh(scores / cap) where a logit soft-cap is set)
 //   2. softmax over t per query head (max-subtracted, exact division at the end)
 //   3. out_g = sum_t p[g][t] * v_t / sum_t p[g][t]
+//
+// A bfloat16 cache is read block by block into a float32 tile (exactly: a bfloat16 is
+// the high half of a float32), so the arithmetic is the float32 cache's.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,11 +26,41 @@ namespace pyagent {
 namespace PYAGENT_ISA {
 namespace {
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rows [j, n) of one cache block (already offset to the item's key/value head) as
+// float32 rows, and their stride: the cache itself for a float32 cache, the rows
+// widened into `tile` (stride D, row j at tile + j * D) for a bfloat16 one.
+inline const float* block_rows(const float* block, int64_t, int64_t, int64_t token_stride, int64_t, float*,
+                               int64_t& stride) {
+  stride = token_stride;
+  return block;
+}
+
+inline const float* block_rows(const uint16_t* block, int64_t j, int64_t n, int64_t token_stride, int64_t D,
+                               float* __restrict tile, int64_t& stride) {
+  for (; j < n; ++j) {
+    const uint16_t* src = block + j * token_stride;
+    float* dst = tile + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(src[d]);
+  }
+  stride = D;
+  return tile;
+}
+
 // One work item with the head size D known at compile time (kD > 0: the dot products
-// and the value accumulator unroll into registers) or at run time (kD == 0).
-template <int64_t kD>
-void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* table, int64_t len,
-                 float* __restrict scores) {
+// and the value accumulator unroll into registers) or at run time (kD == 0), over a
+// float32 (T = float) or bfloat16 (T = uint16_t) cache; `tile` holds one block of one
+// head (block_size * D floats) for the latter.
+template <int64_t kD, typename T>
+void decode_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, int64_t seq, int64_t kvh,
+                 const int32_t* table, int64_t len, float* __restrict scores, float* __restrict tile) {
   const int64_t D = kD > 0 ? kD : a.head_size;
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t token_stride = a.num_kv_heads * D;
@@ -41,20 +74,21 @@ void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* t
 
   // 1. scores[g][t - first] = scale * <q_g, k_t>
   for (int64_t b = first / a.block_size; b < num_used; ++b) {
-    const float* kb = a.key_cache + table[b] * block_stride + kvh * D;
     const int64_t t0 = b * a.block_size;
     const int64_t n = std::min(a.block_size, len - t0);
     int64_t j = std::max<int64_t>(0, first - t0);
+    int64_t ks;  // the key rows' stride
+    const float* kb = block_rows(key_cache + table[b] * block_stride + kvh * D, j, n, token_stride, D, tile, ks);
     float* row = scores + (t0 - first);  // row[j] is token t0 + j
     if (kHaveDot4 && D % 8 == 0) {
       for (; j + 4 <= n; j += 4) {
         for (int64_t g = 0; g < group; ++g) {
-          dot4(q + g * D, kb + j * token_stride, token_stride, D, a.scale, row + g * count + j);
+          dot4(q + g * D, kb + j * ks, ks, D, a.scale, row + g * count + j);
         }
       }
     }
     for (; j < n; ++j) {
-      const float* k = kb + j * token_stride;
+      const float* k = kb + j * ks;
       for (int64_t g = 0; g < group; ++g) row[g * count + j] = dot(q + g * D, k, D) * a.scale;
     }
   }
@@ -86,17 +120,29 @@ void decode_item(const DecodeArgs& a, int64_t seq, int64_t kvh, const int32_t* t
     float acc[kD > 0 ? kD : 1024];
     std::fill(acc, acc + D, 0.0f);
     for (int64_t b = first / a.block_size; b < num_used; ++b) {
-      const float* vb = a.value_cache + table[b] * block_stride + kvh * D;
       const int64_t t0 = b * a.block_size;
       const int64_t n = std::min(a.block_size, len - t0);
-      for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
-        const float* v = vb + j * token_stride;
+      const int64_t j0 = std::max<int64_t>(0, first - t0);
+      int64_t vs;  // the value rows' stride
+      const float* vb = block_rows(value_cache + table[b] * block_stride + kvh * D, j0, n, token_stride, D, tile, vs);
+      for (int64_t j = j0; j < n; ++j) {
+        const float* v = vb + j * vs;
         const float w = p[t0 + j];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
       }
     }
     std::memcpy(out + g * D, acc, sizeof(float) * D);
+  }
+}
+
+template <typename T>
+void run_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, int64_t seq, int64_t kvh,
+              const int32_t* table, int64_t len, float* scores, float* tile) {
+  switch (a.head_size) {
+    case 64: decode_item<64>(a, key_cache, value_cache, seq, kvh, table, len, scores, tile); break;
+    case 128: decode_item<128>(a, key_cache, value_cache, seq, kvh, table, len, scores, tile); break;
+    default: decode_item<0>(a, key_cache, value_cache, seq, kvh, table, len, scores, tile); break;
   }
 }
 
@@ -125,11 +171,14 @@ bool paged_decode_items(const DecodeArgs& a, int64_t begin, int64_t end, std::ve
       ok = false;
       continue;
     }
-    scratch.resize(static_cast<size_t>(group * (len - first)));
-    switch (a.head_size) {
-      case 64: decode_item<64>(a, seq, kvh, table, len, scratch.data()); break;
-      case 128: decode_item<128>(a, seq, kvh, table, len, scratch.data()); break;
-      default: decode_item<0>(a, seq, kvh, table, len, scratch.data()); break;
+    const int64_t num_scores = group * (len - first);
+    if (a.key_cache_bf16 != nullptr) {
+      scratch.resize(static_cast<size_t>(num_scores + a.block_size * a.head_size));
+      run_item(a, a.key_cache_bf16, a.value_cache_bf16, seq, kvh, table, len, scratch.data(),
+               scratch.data() + num_scores);
+    } else {
+      scratch.resize(static_cast<size_t>(num_scores));
+      run_item(a, a.key_cache, a.value_cache, seq, kvh, table, len, scratch.data(), nullptr);
     }
   }
   return ok;

@@ -16,8 +16,10 @@ namespace pyagent {
 struct DecodeArgs {
   float* out;
   const float* query;
-  const float* key_cache;
+  const float* key_cache;    // float32 caches; null when the bfloat16 pair is set
   const float* value_cache;
+  const uint16_t* key_cache_bf16 = nullptr;  // bfloat16 caches (the bits), read widened to float32
+  const uint16_t* value_cache_bf16 = nullptr;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   int64_t num_seqs;

@@ -29,8 +29,15 @@ void paged_decode_attention(py::array out, py::array query, py::array key_cache,
   pyagent::DecodeArgs a{};
   a.out = const_cast<float*>(checked<float>(out, "out", 3, true));
   a.query = checked<float>(query, "query", 3);
-  a.key_cache = checked<float>(key_cache, "key_cache", 4);
-  a.value_cache = checked<float>(value_cache, "value_cache", 4);
+  // float32 caches, or bfloat16 ones passed as their bits in int16 arrays (numpy has no
+  // bfloat16), both the same.
+  if (py::isinstance<py::array_t<int16_t>>(key_cache) && key_cache.dtype().is(py::dtype::of<int16_t>())) {
+    a.key_cache_bf16 = reinterpret_cast<const uint16_t*>(checked<int16_t>(key_cache, "key_cache", 4));
+    a.value_cache_bf16 = reinterpret_cast<const uint16_t*>(checked<int16_t>(value_cache, "value_cache", 4));
+  } else {
+    a.key_cache = checked<float>(key_cache, "key_cache", 4);
+    a.value_cache = checked<float>(value_cache, "value_cache", 4);
+  }
   a.block_tables = checked<int32_t>(block_tables, "block_tables", 2);
   a.seq_lens = checked<int32_t>(seq_lens, "seq_lens", 1);
   a.num_seqs = query.shape(0);
@@ -214,7 +221,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0, py::arg("logit_softcap") = 0.0f,
-        "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout).");
+        "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout); the caches are "
+        "float32, or bfloat16 given as their bits in int16 arrays.");
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");

@@ -12,6 +12,8 @@ inherits everything from it except ``decode_attention``, which calls the C++ ker
    pool with spare blocks): the kernel, in every instruction set this CPU runs and on
    1, 2 or 3 threads, equals the torch path within 1e-5;
    with and without a logit soft-cap (Gemma 2's ``cap * tanh(scores / cap)``);
+   bfloat16 caches (passed as their int16 bits) give the float32 result of the same
+   values within 1e-5, and through the backend that result rounded to bfloat16;
 2. scores spread over ~80-120 and offset by up to ~300 (softmax stability);
 3. mixed batches through the whole ``forward()`` (prefills, chunked prefills and
    decodes, cache writes) equal the torch backend's, caches included;
@@ -193,6 +195,52 @@ def test_kernel_matches_torch_decode(case):
     assert torch.equal(case.query, query_before)
 
 
+def as_bfloat16(case: DecodeCase) -> DecodeCase:
+    return dataclasses.replace(case, query=case.query.bfloat16(), kv_cache=case.kv_cache.bfloat16())
+
+
+def widened(case: DecodeCase) -> DecodeCase:
+    return dataclasses.replace(case, query=case.query.float(), kv_cache=case.kv_cache.float())
+
+
+def bf16_kernel(case: DecodeCase, *, num_threads=1, isa="auto") -> torch.Tensor:
+    """The kernel on a bfloat16 case: the caches as int16 bits, query and out float32."""
+    out = torch.full(case.query.shape, float("nan"))
+    bits = case.kv_cache.view(torch.int16)
+    _core.paged_decode_attention(
+        out.numpy(), case.query.float().numpy(), bits[0].numpy(), bits[1].numpy(), case.block_tables.numpy(),
+        case.seq_lens.numpy(), case.scale, num_threads, isa, case.sliding_window or 0, case.logit_softcap or 0.0,
+    )
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=decode_cases())
+def test_bfloat16_cache_matches_float32_of_the_same_values(case):
+    """The kernel widens bfloat16 exactly, then computes as for float32: the reference
+    is the torch path on the widened values (float32), and through the backend (a
+    bfloat16 query and cache) that result rounded to bfloat16."""
+    case = as_bfloat16(case)
+    expected = reference(widened(case))
+    for isa in ISAS:
+        one_thread = bf16_kernel(case, num_threads=1, isa=isa)
+        assert_close(one_thread, expected)
+        assert torch.equal(bf16_kernel(case, num_threads=2, isa=isa), one_thread)
+        got = native(case, isa)
+        assert got.dtype == torch.bfloat16
+        # values within 1e-5 of each other round to the same bfloat16 or to neighbours
+        torch.testing.assert_close(got.float(), expected.bfloat16().float(), atol=1e-5, rtol=2**-7)
+
+
+def test_bfloat16_backend_calls_the_kernel_and_stays_near_torch_bfloat16(kernel_calls):
+    """A bfloat16 model's decode reaches the kernel, and agrees with the torch
+    backend's own bfloat16 SDPA within bfloat16 rounding."""
+    case = as_bfloat16(make_case(seq_lens=[4, 20, 9, 70], num_kv_heads=2, group=3, head_size=64, block_size=16, seed=8))
+    got = native(case, "auto")
+    assert kernel_calls
+    torch.testing.assert_close(got, reference(case), atol=2e-2, rtol=2e-2)
+
+
 def test_backend_uses_torch_thread_count():
     case = make_case(seq_lens=[5, 33, 70, 1], num_kv_heads=2, group=3, head_size=40, block_size=4, seed=1)
     expected = reference(case)
@@ -367,9 +415,10 @@ def test_registered_backend_is_native_attention():
     assert issubclass(NativeAttention, TorchAttention)
 
 
-def test_non_float32_falls_back_to_torch_path(kernel_calls):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_other_dtypes_fall_back_to_torch_path(kernel_calls, dtype):
     case = make_case(seq_lens=[4, 20, 9], num_kv_heads=2, group=2, head_size=16, block_size=4, seed=6)
-    case.query, case.kv_cache = case.query.double(), case.kv_cache.double()
+    case.query, case.kv_cache = case.query.to(dtype), case.kv_cache.to(dtype)
     torch.testing.assert_close(native(case, "auto"), reference(case))
     assert not kernel_calls
 
@@ -433,6 +482,7 @@ def test_seq_len_longer_than_table(small_case):
         ("query", lambda c: c.query.double().numpy()),
         ("out", lambda c: np.zeros(c.query.shape, dtype=np.float64)),
         ("key_cache", lambda c: c.kv_cache[0].half().numpy()),
+        ("value_cache", lambda c: c.kv_cache[1].bfloat16().view(torch.int16).numpy()),  # keys float32
         ("value_cache", lambda c: c.kv_cache[1].double().numpy()),
         ("block_tables", lambda c: c.block_tables.long().numpy()),
         ("seq_lens", lambda c: c.seq_lens.long().numpy()),
@@ -442,6 +492,12 @@ def test_seq_len_longer_than_table(small_case):
 def test_wrong_dtype(small_case, name, value):
     with pytest.raises(ValueError, match=rf"^{name}: expected dtype"):
         _core.paged_decode_attention(**_args(small_case, **{name: value(small_case)}))
+
+
+def test_bfloat16_keys_need_bfloat16_values(small_case):
+    keys = small_case.kv_cache[0].bfloat16().view(torch.int16).numpy()
+    with pytest.raises(ValueError, match=r"^value_cache: expected dtype int16, got float32"):
+        _core.paged_decode_attention(**_args(small_case, key_cache=keys))
 
 
 @pytest.mark.parametrize(
