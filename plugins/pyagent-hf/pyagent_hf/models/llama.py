@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyagent_framework.interfaces import LayerOps, ModelArchitecture, PackedParts, PackedWeight, layer_ops
@@ -74,10 +73,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
-
-# compute_logits slices the output head for batches of at least this many rows.
-LOGITS_CHUNK = 2048
-LOGITS_CHUNK_MIN_ROWS = 4
 
 
 class Attention(nn.Module):
@@ -424,13 +419,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         return torch.repeat_interleave(md.seq_lens.to(torch.int64), query_lens).to(positions.device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head
-        rows = hidden_states.shape[0]
-        if rows >= LOGITS_CHUNK_MIN_ROWS and type(head) is nn.Linear and head.bias is None:
-            # A large vocabulary in slices keeps each slice's output in cache: about 30%
-            # faster for batches on CPU, and the same numbers (each logit is one dot product).
-            return torch.cat([F.linear(hidden_states, w).float() for w in head.weight.split(LOGITS_CHUNK)], dim=-1)
-        return head(hidden_states).float()
+        return self.lm_head(hidden_states).float()
 
     # ------------------------------------------------------------------ weights
 
