@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,32 @@ def test_outputs_are_the_same_in_a_core_process(both, params):
             (o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in b.outputs
         ]
         assert logprob_table(a) == pytest.approx(logprob_table(b), abs=1e-4)
+
+
+def test_a_bfloat16_model_steps_on_the_core_process_main_thread_with_the_same_outputs(path):
+    """A bfloat16 model on a CPU runs torch's kernels, and its step loop stays on the
+    core process's main thread (a float32 one gets a thread of its own, see
+    ``_loop_on_own_thread``); either way the outputs are those of this process."""
+    import torch
+
+    from pyagent_framework.engine.core_process import _loop_on_own_thread
+
+    def core(device, dtype):
+        return types.SimpleNamespace(device=torch.device(device), kv_cache=torch.empty(0, dtype=dtype))
+
+    assert _loop_on_own_thread(core("cpu", torch.float32))
+    assert not _loop_on_own_thread(core("cpu", torch.bfloat16)) and not _loop_on_own_thread(core("cpu", torch.float16))
+    assert _loop_on_own_thread(core("cuda", torch.bfloat16))  # no libgomp spin to shorten there
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    inproc = LLM(path, engine_process=False, dtype="bfloat16", **OPTIONS)
+    process = LLM(path, engine_process=True, dtype="bfloat16", **OPTIONS)
+    try:
+        for a, b in zip(inproc.generate(PROMPTS, params), process.generate(PROMPTS, params), strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 12
+            assert logprob_table(a) == pytest.approx(logprob_table(b), abs=1e-4)
+    finally:
+        process.close()
+        inproc.close()
 
 
 def logprob_table(out) -> list:

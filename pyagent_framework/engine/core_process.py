@@ -200,6 +200,21 @@ class CoreServer:
             pass
 
 
+def _loop_on_own_thread(core) -> bool:
+    """Whether the step loop gets a thread of its own rather than the one that built
+    the model. Then torch's OpenMP workers stop spinning between ops (libgomp shortens
+    the spin once a process has more OpenMP threads than cores), which suits a model
+    that computes in the native core's kernels (float32 on a CPU: their threads get the
+    cores between torch's few ops; 5-20% of batched decode on 2 cores, without
+    OMP_WAIT_POLICY=PASSIVE, which slows torch's small ops instead) and not one that
+    computes in torch's own kernels (bfloat16 or float16 on a CPU: hundreds of torch
+    parallel regions a step, each then waking sleeping workers; 64 x 128 tokens ran at
+    366-383 tok/s on a thread of its own against 535-548 on this one)."""
+    import torch
+
+    return core.device.type != "cpu" or core.kv_cache.dtype == torch.float32
+
+
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     input_address, output_address = (argv or sys.argv[1:])[:2]
@@ -225,15 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server = CoreServer(core, inbox, outbox, startup.step_timeout)
     server.send(CoreReady(core.info()))
-    # The loop runs on a thread of its own, not the one that built the model: torch's
-    # OpenMP workers then stop spinning between ops (libgomp shortens the spin once a
-    # process has more OpenMP threads than cores), so they leave the cores to the
-    # native kernels' threads. On 2 cores this is ~15% of batched decode, without
-    # OMP_WAIT_POLICY=PASSIVE, which slows torch's small ops instead.
-    loop = threading.Thread(target=server.run, name="pyagent-core")
     try:
-        loop.start()
-        loop.join()
+        if _loop_on_own_thread(core):
+            loop = threading.Thread(target=server.run, name="pyagent-core")
+            loop.start()
+            loop.join()
+        else:
+            server.run()
     finally:
         core.close()
         outbox.close(linger=2000)
