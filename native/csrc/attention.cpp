@@ -8,8 +8,9 @@
 //   2. softmax over t per query head (max-subtracted, exact division at the end)
 //   3. out_g = sum_t p[g][t] * v_t / sum_t p[g][t]
 //
-// A bfloat16 cache is read block by block into a float32 tile (exactly: a bfloat16 is
-// the high half of a float32), so the arithmetic is the float32 cache's.
+// A bfloat16 cache is widened to float32 as it is read (exactly: a bfloat16 is the
+// high half of a float32), keys a block at a time into a tile that the group's query
+// heads share, so the arithmetic is the float32 cache's.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,6 +33,27 @@ inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// The largest of s[0..n), n >= 1: sixteen running maxima, then a fixed tree. Spelled
+// out so it vectorizes (GCC leaves a plain max loop scalar, each step waiting on the
+// last: it was the kernel's hottest loop).
+inline float max_of(const float* __restrict s, int64_t n) {
+  float acc[16];
+  for (int l = 0; l < 16; ++l) acc[l] = s[0];
+  const int64_t whole = n - n % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    for (int l = 0; l < 16; ++l) acc[l] = acc[l] < s[i + l] ? s[i + l] : acc[l];
+  }
+  for (int64_t i = whole; i < n; ++i) acc[i - whole] = acc[i - whole] < s[i] ? s[i] : acc[i - whole];
+  for (int l = 0; l < 8; ++l) acc[l] = acc[l] < acc[l + 8] ? acc[l + 8] : acc[l];
+  for (int l = 0; l < 4; ++l) acc[l] = acc[l] < acc[l + 4] ? acc[l + 4] : acc[l];
+  const float a = acc[0] < acc[2] ? acc[2] : acc[0];
+  const float b = acc[1] < acc[3] ? acc[3] : acc[1];
+  return a < b ? b : a;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) { return bf16_to_float(h); }
 
 // Rows [j, n) of one cache block (already offset to the item's key/value head) as
 // float32 rows, and their stride: the cache itself for a float32 cache, the rows
@@ -80,7 +102,11 @@ void decode_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, 
     int64_t ks;  // the key rows' stride
     const float* kb = block_rows(key_cache + table[b] * block_stride + kvh * D, j, n, token_stride, D, tile, ks);
     float* row = scores + (t0 - first);  // row[j] is token t0 + j
-    if (kHaveDot4 && D % 8 == 0) {
+    if (kHaveDotMr4) {
+      // The group's query heads against four keys at a time, 512 bits wide, any D:
+      // each key row is loaded once for all of them (scaled below).
+      for (; j + 4 <= n; j += 4) dot_rows4(q, group, D, kb + j * ks, ks, D, row + j, count);
+    } else if (kHaveDot4 && D % 8 == 0) {
       for (; j + 4 <= n; j += 4) {
         for (int64_t g = 0; g < group; ++g) {
           dot4(q + g * D, kb + j * ks, ks, D, a.scale, row + g * count + j);
@@ -89,8 +115,12 @@ void decode_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, 
     }
     for (; j < n; ++j) {
       const float* k = kb + j * ks;
-      for (int64_t g = 0; g < group; ++g) row[g * count + j] = dot(q + g * D, k, D) * a.scale;
+      for (int64_t g = 0; g < group; ++g) row[g * count + j] = dot(q + g * D, k, D) * (kHaveDotMr4 ? 1.0f : a.scale);
     }
+  }
+  if (kHaveDotMr4) {
+#pragma omp simd
+    for (int64_t i = 0; i < group * count; ++i) scores[i] *= a.scale;
   }
   // 1b. soft-capping, in transformers' order: (score / cap), tanh, times cap
   if (a.logit_softcap > 0.0f) {
@@ -100,8 +130,7 @@ void decode_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, 
   // 2. softmax per query head, normalized in place
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * count;
-    float m = s[0];
-    for (int64_t t = 1; t < count; ++t) m = s[t] > m ? s[t] : m;
+    const float m = max_of(s, count);
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < count; ++t) {
@@ -122,14 +151,12 @@ void decode_item(const DecodeArgs& a, const T* key_cache, const T* value_cache, 
     for (int64_t b = first / a.block_size; b < num_used; ++b) {
       const int64_t t0 = b * a.block_size;
       const int64_t n = std::min(a.block_size, len - t0);
-      const int64_t j0 = std::max<int64_t>(0, first - t0);
-      int64_t vs;  // the value rows' stride
-      const float* vb = block_rows(value_cache + table[b] * block_stride + kvh * D, j0, n, token_stride, D, tile, vs);
-      for (int64_t j = j0; j < n; ++j) {
-        const float* v = vb + j * vs;
+      const T* vb = value_cache + table[b] * block_stride + kvh * D;
+      for (int64_t j = std::max<int64_t>(0, first - t0); j < n; ++j) {
+        const T* v = vb + j * token_stride;
         const float w = p[t0 + j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * widen(v[d]);
       }
     }
     std::memcpy(out + g * D, acc, sizeof(float) * D);
