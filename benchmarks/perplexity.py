@@ -1,6 +1,7 @@
 """Perplexity of the embedded SmolLM2 (Q4_1 GGUF) on the shipped public-domain text,
-with the quantized layers' activations exact (float32) and rounded to int8 per block of
-32 (``{"activations": "int8"}``, as llama.cpp multiplies).
+with the quantized layers' activations exact (float32), rounded to int8 per block of
+32 (``{"activations": "int8"}``, as llama.cpp multiplies), and with the whole model in
+bfloat16 (``--dtype bfloat16``: the weights dequantized to bfloat16).
 
     .venv/bin/python benchmarks/perplexity.py
     .venv/bin/python benchmarks/perplexity.py --peer llama-cpp   # and llama.cpp on the same file
@@ -26,13 +27,19 @@ import time
 from pathlib import Path
 
 TEXT = Path(__file__).resolve().parent.parent / "plugins/pyagent-quant/tests/data/public_domain.txt"
-INT8 = {"activations": "int8"}
-# name: (quantization options, tokens per step)
+INT8 = {"quantization_config": {"activations": "int8"}}
+# The weights dequantized to bfloat16 and the model run in bfloat16 (torch's kernels,
+# AMX/AVX512_BF16 through oneDNN where the CPU has them), as --dtype bfloat16 runs a
+# bfloat16 checkpoint.
+BF16 = {"quantization": "none", "dtype": "bfloat16"}
+# name: (engine options, tokens per step)
 SETTINGS = {
-    "exact, 1 row": (None, 1),
+    "exact, 1 row": ({}, 1),
     "int8, 1 row": (INT8, 1),
-    "exact, 64 rows": (None, 64),
+    "bfloat16, 1 row": (BF16, 1),
+    "exact, 64 rows": ({}, 64),
     "int8, 64 rows": (INT8, 64),
+    "bfloat16, 64 rows": (BF16, 64),
 }
 
 
@@ -43,6 +50,17 @@ def scored(llm) -> tuple[list[float], list[int]]:
     [out] = llm.generate(TEXT.read_text(), SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     tokens = out.prompt_token_ids
     return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)], tokens
+
+
+def paired_interval(base: list[float], other: list[float]) -> tuple[float, float]:
+    """The 95% interval of the perplexity ratio other / base - 1 from the per-token
+    changes in negative logprob (mean +- 1.96 standard errors). On a text this short a
+    rounding realization's ratio wanders by about a percent; the interval says how far
+    a figure is from no change at all."""
+    changes = [b - o for b, o in zip(base, other, strict=True)]
+    mean = sum(changes) / len(changes)
+    spread = math.sqrt(sum((c - mean) ** 2 for c in changes) / (len(changes) - 1) / len(changes))
+    return math.exp(mean - 1.96 * spread) - 1, math.exp(mean + 1.96 * spread) - 1
 
 
 def llama_cpp(token_ids: list[int], batch: int) -> float:
@@ -69,18 +87,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", choices=["llama-cpp"], action="append", default=[])
     args = parser.parse_args()
-    results = {}
+    results, per_token = {}, {}
     for name, (options, rows) in SETTINGS.items():
         start = time.perf_counter()
-        llm = LLM(None, quantization_config=options, kv_cache_memory="128MiB", max_model_len=2048,
-                  max_num_batched_tokens=rows)
-        logprobs, token_ids = scored(llm)
-        results[name] = math.exp(-sum(logprobs) / len(logprobs))
+        llm = LLM(None, kv_cache_memory="128MiB", max_model_len=2048, max_num_batched_tokens=rows, **options)
+        per_token[name], token_ids = scored(llm)
+        results[name] = math.exp(-sum(per_token[name]) / len(per_token[name]))
         del llm  # one engine (and its core process) at a time
-        print(f"{name:30s} perplexity {results[name]:8.4f}  ({len(logprobs)} tokens, {time.perf_counter() - start:.0f} s)")
+        print(f"{name:30s} perplexity {results[name]:8.4f}  ({len(per_token[name])} tokens, {time.perf_counter() - start:.0f} s)")
+    print("vs exact with as many rows (the 95% interval of the mean per-token change, paired):")
     for name, value in results.items():
-        base = results["exact, " + name.split(", ")[1]]
-        print(f"  {name:30s} {(value / base - 1) * 100:+.2f}% vs exact with as many rows")
+        base = "exact, " + name.split(", ")[1]
+        low, high = paired_interval(per_token[base], per_token[name])
+        print(f"  {name:30s} {(value / results[base] - 1) * 100:+.2f}%  [{low * 100:+.2f}%, {high * 100:+.2f}%]")
     if "llama-cpp" in args.peer:
         exact = results["exact, 1 row"]
         for batch in (1, 512):
