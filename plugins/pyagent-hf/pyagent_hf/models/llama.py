@@ -74,7 +74,6 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-
 class Attention(nn.Module):
     def __init__(
         self,
