@@ -50,6 +50,19 @@ MICROKERNEL = r"""
 #include <stdlib.h>
 
 #define CHAINS 12
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define SET1 _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define STORE _mm512_storeu_ps
+#else
+typedef __m256 vec;
+#define LANES 8
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define STORE _mm256_storeu_ps
+#endif
 static double now(void) { return omp_get_wtime(); }
 
 int main(int argc, char** argv) {
@@ -59,34 +72,21 @@ int main(int argc, char** argv) {
     double t0 = now();
 #pragma omp parallel
     {
-#if defined(__AVX512F__)
-      __m512 acc[CHAINS];
-      const __m512 a = _mm512_set1_ps(1.0000001f), b = _mm512_set1_ps(0.9999999f);
-      for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_ps((float)c);
+      vec acc[CHAINS];
+      const vec a = SET1(1.0000001f), b = SET1(0.9999999f);
+      for (int c = 0; c < CHAINS; ++c) acc[c] = SET1((float)c);
       for (long i = 0; i < iters; ++i)
 #pragma GCC unroll 12
-        for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_fmadd_ps(a, acc[c], b);
-      float sink = 0;
-      for (int c = 0; c < CHAINS; ++c) sink += _mm512_reduce_add_ps(acc[c]);
-#else
-      __m256 acc[CHAINS];
-      const __m256 a = _mm256_set1_ps(1.0000001f), b = _mm256_set1_ps(0.9999999f);
-      for (int c = 0; c < CHAINS; ++c) acc[c] = _mm256_set1_ps((float)c);
-      for (long i = 0; i < iters; ++i)
-#pragma GCC unroll 12
-        for (int c = 0; c < CHAINS; ++c) acc[c] = _mm256_fmadd_ps(a, acc[c], b);
-      float sink = 0;
-      float lanes[8];
-      for (int c = 0; c < CHAINS; ++c) { _mm256_storeu_ps(lanes, acc[c]); for (int l = 0; l < 8; ++l) sink += lanes[l]; }
-#endif
+        for (int c = 0; c < CHAINS; ++c) acc[c] = FMA(a, acc[c], b);
+      float sink = 0, lanes[LANES];
+      for (int c = 0; c < CHAINS; ++c) {
+        STORE(lanes, acc[c]);
+        for (int l = 0; l < LANES; ++l) sink += lanes[l];
+      }
       if (sink == 12345.0f) printf("%f\n", sink);
     }
     double t = now() - t0;
-#if defined(__AVX512F__)
-    const double flop_per = 32.0;
-#else
-    const double flop_per = 16.0;
-#endif
+    const double flop_per = 2.0 * LANES;
     double gflops = flop_per * CHAINS * (double)iters * omp_get_max_threads() / t / 1e9;
     if (gflops > best_fma) best_fma = gflops;
 #if defined(__AVX512VNNI__)
