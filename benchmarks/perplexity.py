@@ -56,6 +56,18 @@ def scored(llm) -> tuple[list[float], list[int]]:
     return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], tokens[1:], strict=True)], tokens
 
 
+def scored_fresh(options: dict, rows: int) -> tuple[list[float], list[int]]:
+    """:func:`scored` on a fresh engine with these options, fed ``rows`` tokens per step
+    (one engine, and its core process, at a time)."""
+    from pyagent_framework import LLM
+
+    llm = LLM(None, kv_cache_memory="128MiB", max_model_len=2048, max_num_batched_tokens=rows, **options)
+    try:
+        return scored(llm)
+    finally:
+        llm.close()
+
+
 def paired_interval(base: list[float], other: list[float]) -> tuple[float, float]:
     """The 95% interval of the perplexity ratio other / base - 1 from the per-token
     changes in negative logprob (mean +- 1.96 standard errors). On a text this short a
@@ -72,12 +84,8 @@ def realizations() -> None:
     sums (GEMV or GEMM, decode or prefill attention), so the int8 and bfloat16 roundings
     flip differently. The mean ratio over them estimates the expected cost, which one
     realization on 749 tokens does not resolve to half a percent."""
-    from pyagent_framework import LLM
-
     def nll(options: dict, rows: int) -> float:
-        llm = LLM(None, kv_cache_memory="128MiB", max_model_len=2048, max_num_batched_tokens=rows, **options)
-        logprobs = scored(llm)[0]
-        del llm
+        logprobs = scored_fresh(options, rows)[0]
         return -sum(logprobs) / len(logprobs)
 
     ratios: dict[str, list[float]] = {"int8": [], "bfloat16": []}
@@ -114,8 +122,6 @@ def llama_cpp(token_ids: list[int], batch: int) -> float:
 def main() -> None:
     import argparse
 
-    from pyagent_framework import LLM
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", choices=["llama-cpp"], action="append", default=[])
     parser.add_argument("--realizations", action="store_true",
@@ -126,10 +132,8 @@ def main() -> None:
     results, per_token = {}, {}
     for name, (options, rows) in SETTINGS.items():
         start = time.perf_counter()
-        llm = LLM(None, kv_cache_memory="128MiB", max_model_len=2048, max_num_batched_tokens=rows, **options)
-        per_token[name], token_ids = scored(llm)
+        per_token[name], token_ids = scored_fresh(options, rows)
         results[name] = math.exp(-sum(per_token[name]) / len(per_token[name]))
-        del llm  # one engine (and its core process) at a time
         print(f"{name:30s} perplexity {results[name]:8.4f}  ({len(per_token[name])} tokens, {time.perf_counter() - start:.0f} s)")
     print("vs exact with as many rows (the 95% interval of the mean per-token change, paired):")
     for name, value in results.items():
