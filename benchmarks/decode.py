@@ -5,9 +5,10 @@
 
 - ``single``: one stream, greedy, ``--max-tokens`` tokens after a chat prompt. Decode
   tok/s counts the tokens after the first over the time after the first (prefill and
-  the first token excluded), for both engines. Ours runs twice: ``gguf`` with float32
-  activations (the default, exact up to float rounding) and with ``{"activations":
-  "int8"}`` (x rounded to int8 per block of 32 in the Q4 products, as llama.cpp does).
+  the first token excluded), for both engines. Ours runs once per ``--activations``:
+  ``gguf`` with float32 activations (exact up to float rounding), int16 (x rounded to
+  16 bits per block of 32 and multiplied in integers) and int8 (rounded to 8 bits, as
+  llama.cpp does).
 - ``batch``: ``--concurrent`` requests at once, each ``--max-tokens`` tokens. Ours: one
   ``LLM.generate`` call. llama.cpp: its batched decode through llama-cpp-python's
   low-level API (one ``llama_decode`` per step carrying every sequence's token, greedy
@@ -17,7 +18,7 @@
   file, a different one each round so no prefix cache helps), each prefilled in one step;
   tokens/s = prompt tokens over the time to the first token (ours: ``generate`` with
   ``max_tokens=1``; llama.cpp: ``eval`` of the prompt with ``n_batch=512``). Ours with
-  float32 and with int8 activations; llama.cpp before and after ours; medians.
+  each ``--activations``; llama.cpp before and after ours; medians.
 - ``memory``: each quantization loaded in a fresh process: bytes the model holds
   (parameters and buffers) and the process's resident-memory growth over the load.
 
@@ -266,9 +267,12 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="single stream: timed rounds (median reported)")
     parser.add_argument("--quantization", action="append",
-                        help="single stream: ours with these (default: gguf, then gguf with int8 activations)")
+                        help="single stream: ours with these quantizations (default: gguf with each --activations)")
+    parser.add_argument("--activations", action="append", choices=["float32", "int16", "int8"],
+                        help="ours with these activations (default: float32, int16 and int8)")
     args = parser.parse_args()
     parts = args.part or ["single", "batch", "prefill", "memory"]
+    options_arms = [{"activations": a} for a in args.activations or ["float32", "int16", "int8"]]
 
     import torch
 
@@ -289,7 +293,7 @@ def main() -> None:
         # The machine drifts over a run: llama.cpp is timed before and after our arms,
         # and each ratio uses the median of all its rounds.
         peer = llama_single(path, ids, args.max_tokens, args.rounds) if have_llama else None
-        arms = [(q, None) for q in args.quantization or []] or [("gguf", None), ("gguf", {"activations": "int8"})]
+        arms = [(q, None) for q in args.quantization or []] or [("gguf", options) for options in options_arms]
         results = [ours_single(args.model, ids, args.max_tokens, q, args.rounds, options) for q, options in arms]
         if peer:
             after = llama_single(path, ids, args.max_tokens, args.rounds)
@@ -312,7 +316,7 @@ def main() -> None:
         print(f"\n{args.concurrent} concurrent requests x {args.max_tokens} tokens, output tok/s (prefill included):")
         # llama.cpp before and after ours; the ratio takes the mean of its two runs
         peers = [llama_batch(path, prompts, args.max_tokens)] if have_llama else []
-        results = [ours_batch(args.model, prompts, args.max_tokens, options) for options in (None, {"activations": "int8"})]
+        results = [ours_batch(args.model, prompts, args.max_tokens, options) for options in options_arms]
         if have_llama:
             peers.append(llama_batch(path, prompts, args.max_tokens))
         peer_rate = sum(p["tok_per_s"] for p in peers) / len(peers) if peers else None
@@ -328,7 +332,7 @@ def main() -> None:
         prompts = prefill_prompts(path, args.prefill_tokens, args.rounds + 1)
         print(f"\nprefill of a {args.prefill_tokens}-token prompt, tokens/s (median of {args.rounds} rounds):")
         before = llama_prefill(path, prompts) if have_llama else None
-        results = [ours_prefill(args.model, prompts, options) for options in (None, {"activations": "int8"})]
+        results = [ours_prefill(args.model, prompts, options) for options in options_arms]
         peer_all = (before["all"] + llama_prefill(path, prompts)["all"]) if have_llama else []
         peer_rate = sorted(peer_all)[len(peer_all) // 2] if peer_all else None
         for ours in results:

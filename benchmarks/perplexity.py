@@ -1,16 +1,17 @@
 """Perplexity of the embedded SmolLM2 (Q4_1 GGUF) on the shipped public-domain text,
-with the quantized layers' activations exact (float32), rounded to int8 per block of
-32 (``{"activations": "int8"}``, as llama.cpp multiplies), and with the whole model in
-bfloat16 (``--dtype bfloat16``: the weights dequantized to bfloat16).
+with the quantized layers' activations exact (``{"activations": "float32"}``), rounded
+to 16 bits per block of 32 (``"int16"``), to int8 (``"int8"``, as llama.cpp
+multiplies), and with the whole model in bfloat16 (``--dtype bfloat16``: the weights
+dequantized to bfloat16).
 
     .venv/bin/python benchmarks/perplexity.py
     .venv/bin/python benchmarks/perplexity.py --peer llama-cpp   # and llama.cpp on the same file
     .venv/bin/python benchmarks/perplexity.py --realizations     # the mean cost over 13 feeds
 
 
-The int8 kernels differ by the number of rows of x: one row (a single stream's decode
-step) and several (batched decode, chunked prefill: the AVX-512 build's VNNI GEMM, the
-Q8_0 head included). So the text is fed both ways: one token per step
+The integer kernels differ by the number of rows of x: one row (a single stream's
+decode step) and several (batched decode, chunked prefill: the AVX-512 build's VNNI
+GEMM, the Q8_0 head included). So the text is fed both ways: one token per step
 (``max_num_batched_tokens=1``) and in chunks of 64 tokens (64 rows per product); each
 scored token then passes through the path being measured. Prompt logprobs give each
 token's logprob given the text before it; perplexity is exp of their negated mean.
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 TEXT = Path(__file__).resolve().parent.parent / "plugins/pyagent-quant/tests/data/public_domain.txt"
+EXACT = {"quantization_config": {"activations": "float32"}}
+INT16 = {"quantization_config": {"activations": "int16"}}
 INT8 = {"quantization_config": {"activations": "int8"}}
 # The weights dequantized to bfloat16 and the model run in bfloat16 (torch's kernels,
 # AMX/AVX512_BF16 through oneDNN where the CPU has them), as --dtype bfloat16 runs a
@@ -35,13 +38,17 @@ INT8 = {"quantization_config": {"activations": "int8"}}
 BF16 = {"quantization": "none", "dtype": "bfloat16"}
 # name: (engine options, tokens per step)
 SETTINGS = {
-    "exact, 1 row": ({}, 1),
+    "exact, 1 row": (EXACT, 1),
+    "int16, 1 row": (INT16, 1),
     "int8, 1 row": (INT8, 1),
     "bfloat16, 1 row": (BF16, 1),
-    "exact, 64 rows": ({}, 64),
+    "exact, 64 rows": (EXACT, 64),
+    "int16, 64 rows": (INT16, 64),
     "int8, 64 rows": (INT8, 64),
     "bfloat16, 64 rows": (BF16, 64),
 }
+# the approximate settings --realizations compares with the exact one
+APPROXIMATE = {"int16": INT16, "int8": INT8, "bfloat16": BF16}
 
 
 REALIZATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -81,18 +88,18 @@ def paired_interval(base: list[float], other: list[float]) -> tuple[float, float
 
 def realizations() -> None:
     """Each setting fed in chunks of several sizes: the sizes change the order of float
-    sums (GEMV or GEMM, decode or prefill attention), so the int8 and bfloat16 roundings
-    flip differently. The mean ratio over them estimates the expected cost, which one
+    sums (GEMV or GEMM, decode or prefill attention), so the int16, int8 and bfloat16
+    roundings flip differently. The mean ratio over them estimates the expected cost, which one
     realization on 749 tokens does not resolve to half a percent."""
     def nll(options: dict, rows: int) -> float:
         logprobs = scored_fresh(options, rows)[0]
         return -sum(logprobs) / len(logprobs)
 
-    ratios: dict[str, list[float]] = {"int8": [], "bfloat16": []}
+    ratios: dict[str, list[float]] = {name: [] for name in APPROXIMATE}
     for rows in REALIZATION_ROWS:
-        exact = nll({}, rows)
+        exact = nll(EXACT, rows)
         line = f"{rows:3d} rows per step: exact {math.exp(exact):8.4f}"
-        for name, options in (("int8", INT8), ("bfloat16", BF16)):
+        for name, options in APPROXIMATE.items():
             ratios[name].append(math.exp(nll(options, rows) - exact) - 1)
             line += f"   {name} {ratios[name][-1] * 100:+.2f}%"
         print(line, flush=True)
@@ -125,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer", choices=["llama-cpp"], action="append", default=[])
     parser.add_argument("--realizations", action="store_true",
-                        help="int8 and bfloat16 fed in chunks of 1..64 tokens: the mean cost over those roundings")
+                        help="int16, int8 and bfloat16 fed in chunks of 1..64 tokens: the mean cost over those roundings")
     args = parser.parse_args()
     if args.realizations:
         return realizations()

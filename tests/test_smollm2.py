@@ -1,5 +1,7 @@
 """The embedded default model end to end: SmolLM2-135M-Instruct from its GGUF, greedy
-tokens identical to transformers loading the same GGUF, logprobs within 1e-3."""
+tokens identical to transformers loading the same GGUF; logprobs within 1e-3 with
+exact activations (``{"activations": "float32"}``), within 2e-2 with the default int16
+activations (x rounded to 16 bits per block of 32 in the packed products)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,17 @@ QUESTIONS = [
     "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react. The fox runs into the forest, where it meets an owl who asks it why it is in such a hurry.",
 ]
 MAX_NEW = 16
+EXACT = {"activations": "float32"}
 
 
 @pytest.fixture(scope="module")
 def llm():
     return LLM()  # no model given: the embedded default
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return LLM(quantization_config=EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,7 @@ def test_default_model_is_the_embedded_smollm2(llm):
     assert llm.engine.core.model_config["num_hidden_layers"] == 30
 
 
-def _check(outputs, reference):
+def _check(outputs, reference, tolerance=1e-3):
     for out, (tokens, logprobs) in zip(outputs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.token_ids == tokens
@@ -62,23 +70,29 @@ def _check(outputs, reference):
         # process the prompts' steps batch differently from run to run (a prefill chunk
         # beside decode tokens takes the Python forward, a pure decode step the fused
         # one): runs measured up to 3.5e-4 on one token. The tokens must be identical.
-        assert ours == pytest.approx(logprobs, abs=1e-3)
+        assert ours == pytest.approx(logprobs, abs=tolerance)
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(llm, prompts, reference):
+def test_greedy_matches_transformers_on_the_same_gguf(exact, prompts, reference):
     assert len({len(p) for p in prompts}) == len(prompts)  # 8 different lengths
-    _check(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference)
+    _check(exact.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference)
+
+
+def test_default_greedy_matches_transformers_tokens(llm, prompts, reference):
+    """The default rounds x to 16 bits per block (measured: up to ~1e-3 on these
+    logprobs, 6e-3 over a 750-token text): the same tokens, logprobs within 2e-2."""
+    _check(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)), reference, 2e-2)
 
 
 @pytest.mark.in_process
-def test_greedy_matches_transformers_from_cached_prefixes(llm, prompts, reference):
+def test_greedy_matches_transformers_from_cached_prefixes(exact, prompts, reference):
     """The chat template's system prompt is a prefix of every prompt: after one request
     has filed it, the others start from its cached blocks and decode the same tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
-    _check(llm.generate(prompts[:1], params), reference[:1])
-    hits = llm.engine.core.pool.prefix_hits
-    _check(llm.generate(prompts, params), reference)
-    assert llm.engine.core.pool.prefix_hits >= hits + 16 * (len(prompts) - 1)
+    _check(exact.generate(prompts[:1], params), reference[:1])
+    hits = exact.engine.core.pool.prefix_hits
+    _check(exact.generate(prompts, params), reference)
+    assert exact.engine.core.pool.prefix_hits >= hits + 16 * (len(prompts) - 1)
 
 
 def test_answers_a_question(llm):

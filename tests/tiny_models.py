@@ -135,6 +135,11 @@ def engine_greedy(llm, prompts, params) -> list[tuple[list[int], list[float]]]:
     return results
 
 
+#: The gguf quantizer's exact activations (its default rounds x to 16 bits per block in
+#: the integer kernels): what a packed file is compared with its dequantized self by.
+EXACT = {"activations": "float32"}
+
+
 def assert_same_greedy(got, want, tolerance: float = 1e-4) -> None:
     """The same tokens as ``want`` (from :func:`hf_greedy`), logprobs within ``tolerance``."""
     assert len(got) == len(want)

@@ -18,7 +18,7 @@ struct LinearPart {
   QuantWeight packed{};
   bool is_packed = false;
   const float* bias = nullptr;
-  bool int8_activations = false;  // see QuantLinearArgs
+  Activations activations = Activations::Float32;  // see QuantLinearArgs
   int64_t N = 0;
   int64_t K = 0;
 };
@@ -44,7 +44,7 @@ inline QuantLinearArgs packed_args(const LinearPart& p, float* out, const float*
   a.bias = p.bias;
   a.M = M;
   a.w = p.packed;
-  a.int8_activations = p.int8_activations;
+  a.activations = p.activations;
   return a;
 }
 

@@ -117,7 +117,7 @@ class DecoderStack {
   }
 
   // The layer's linear `key`, N output features of K inputs: one operand ({"weight",
-  // "bias"} or {"data", "encoding", "group", "bias", "int8_activations"}), or
+  // "bias"} or {"data", "encoding", "group", "bias", "activations"}), or
   // {"parts": [operand, ...]} whose rows, in order, add up to N.
   pyagent::LinearWeight linear_weight(const py::dict& layer, const char* key, const std::string& at, int64_t N,
                                       int64_t K) {
@@ -174,11 +174,11 @@ class DecoderStack {
       }
       const std::string encoding = op["encoding"].cast<std::string>();
       w.is_packed = true;
-      w.int8_activations = op.contains("int8_activations") && op["int8_activations"].cast<bool>();
       w.packed.group = op["group"].cast<int64_t>();
       w.packed.K = K;
       try {
         w.packed.encoding = pyagent::parse_quant_encoding(encoding);
+        if (op.contains("activations")) w.activations = pyagent::parse_activations(op["activations"].cast<std::string>());
         w.packed.row_bytes = pyagent::checked_row_bytes(encoding, K, w.packed.group);
       } catch (const std::invalid_argument& exc) {
         throw py::value_error(name + ": " + exc.what());

@@ -99,6 +99,8 @@ static inline int64_t quant_row_bytes(QuantEncoding e, int64_t group, int64_t K)
   return (K + b - 1) / b * quant_block_bytes(e, group, K);
 }
 
+enum class Activations : uint8_t { Float32, Int8, Int16 };
+
 // out[M, N] = x[M, K] @ dequantize(w)^T (+ bias[N]), out, x, bias C-contiguous float32.
 struct QuantLinearArgs {
   float* out;
@@ -106,13 +108,19 @@ struct QuantLinearArgs {
   const float* bias;  // may be null
   int64_t M;
   QuantWeight w;
-  // Opt-in: x is rounded to int8 per block of 32 (scale max|x| / 127) and the codes
-  // are multiplied in integers, as llama.cpp does, with an error of up to
-  // max|x_block| / 254 per element of x. Kernels: one row of x with Q4_0/Q4_1 (AVX2
-  // and AVX-512 builds; ~1.4x), several rows with the encodings int8_gemm names
-  // (AVX-512 build, vpdpbusd; 2-3.5x the float tile at 32-64 rows). Ignored elsewhere
-  // (float32).
-  bool int8_activations = false;
+  // How x enters the products (opt-in; ignored where a build has no integer kernel
+  // for the case, which then computes in float32):
+  // - Int8: x is rounded to int8 per block of 32 (scale max|x| / 127) and the codes
+  //   are multiplied in integers, as llama.cpp does, with an error of up to
+  //   max|x_block| / 254 per element of x. Kernels: one row of x with Q4_0/Q4_1 (AVX2
+  //   and AVX-512 builds; ~1.4x), several rows with the encodings int8_gemm names
+  //   (AVX-512 build, vpdpbusd; 2-3.5x the float tile at 32-64 rows).
+  // - Int16: x is rounded to 16 bits per block of 32 (scale max|x| / 32512, an error
+  //   of up to max|x_block| / 65024 per element) and each rounded value q is split
+  //   exactly into 255 * hi + lo with hi, lo in [-127, 127]: two int8 rows of x that
+  //   the same integer GEMM multiplies (scales 255 d and d) and sums. Every number of
+  //   rows with the encodings int8_gemm names (AVX-512 build).
+  Activations activations = Activations::Float32;
 };
 
 // out[m, i] = silu(gate[m, i]) * up[m, i] for i < n: row m of gate at gate + m * in_stride,
@@ -139,7 +147,8 @@ static inline int64_t first_visible_token(int64_t len, int64_t window) {
 // The *_rows kernels compute output features (weight rows) [n_begin, n_end);
 // dequantize_rows writes rows of out[N, K]; silu_mul_rows computes rows [begin, end).
 // int8_gemm: whether quantized_linear_rows multiplies several rows of x in integers for
-// this encoding when int8_activations is set (so any number of rows is worth sending).
+// this encoding when activations are Int8 or Int16 (so any number of rows is worth
+// sending).
 #define PYAGENT_DECLARE_KERNELS(isa)                                                    \
   namespace isa {                                                                     \
   bool paged_decode_items(const DecodeArgs& args, int64_t begin, int64_t end,         \

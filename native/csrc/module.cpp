@@ -151,9 +151,9 @@ void dequantize(py::array out, py::array data, const std::string& encoding, int6
 }
 
 void quantized_linear(py::array out, py::array x, py::array data, const std::string& encoding, int64_t group,
-                      py::object bias, int num_threads, const std::string& isa, bool int8_activations) {
+                      py::object bias, int num_threads, const std::string& isa, const std::string& activations) {
   pyagent::QuantLinearArgs a{};
-  a.int8_activations = int8_activations;
+  a.activations = pyagent::parse_activations(activations);
   a.out = const_cast<float*>(checked<float>(out, "out", 2, true));
   a.x = checked<float>(x, "x", 2);
   a.M = x.shape(0);
@@ -235,7 +235,7 @@ PYBIND11_MODULE(_core, m) {
         return pyagent::kernels_for(isa).int8_gemm(pyagent::parse_quant_encoding(encoding));
       },
       py::arg("encoding"), py::arg("isa") = "auto",
-      "Whether quantized_linear with int8_activations multiplies several rows of x in integers for this "
+      "Whether quantized_linear with activations 'int8' or 'int16' multiplies several rows of x in integers for this "
       "encoding in this build (then it beats dequantizing for any number of rows).");
   m.def("quant_row_bytes", &quant_row_bytes, py::arg("encoding"), py::arg("K"), py::arg("group") = 0,
         "Bytes per row of a weight of K input features in `encoding` (GGUF's 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', "
@@ -246,11 +246,12 @@ PYBIND11_MODULE(_core, m) {
         "bit for bit the gguf package's values).");
   m.def("quantized_linear", &quantized_linear, py::arg("out"), py::arg("x"), py::arg("data"), py::arg("encoding"),
         py::arg("group") = 0, py::arg("bias") = py::none(), py::arg("num_threads") = 1, py::arg("isa") = "auto",
-        py::arg("int8_activations") = false,
+        py::arg("activations") = "float32",
         "out[M, N] = x[M, K] @ dequantize(data)^T (+ bias) for a few rows of x, reading the packed weight once. "
-        "int8_activations: round x to int8 per block of 32 and multiply in integers where a build has the "
-        "kernel (one-row Q4_0/Q4_1: AVX2 and AVX-512; several rows: AVX-512 VNNI, see int8_gemm) "
-        "(faster, approximate; see kernels.h).");
+        "activations: 'float32' (exact up to float rounding), 'int8' (x rounded to int8 per block of 32 and "
+        "multiplied in integers where a build has the kernel: one-row Q4_0/Q4_1 in AVX2 and AVX-512, several "
+        "rows in AVX-512 VNNI, see int8_gemm; faster, approximate) or 'int16' (x rounded to 16 bits per block "
+        "and multiplied as two int8 rows in the AVX-512 VNNI GEMM, any number of rows; see kernels.h).");
   bind_decoder(m);
   bind_moe(m);
   m.def("hash_blocks", &hash_blocks, py::arg("parent"), py::arg("tokens"), py::arg("block_size"),

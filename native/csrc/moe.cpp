@@ -151,12 +151,12 @@ class MoeExperts {
       }
       const std::string encoding = op["encoding"].cast<std::string>();
       p.is_packed = true;
-      p.int8_activations = op.contains("int8_activations") && op["int8_activations"].cast<bool>();
       p.packed.group = op["group"].cast<int64_t>();
       p.packed.K = K;
       p.packed.N = N;
       try {
         p.packed.encoding = pyagent::parse_quant_encoding(encoding);
+        if (op.contains("activations")) p.activations = pyagent::parse_activations(op["activations"].cast<std::string>());
         p.packed.row_bytes = pyagent::checked_row_bytes(encoding, K, p.packed.group);
       } catch (const std::invalid_argument& exc) {
         throw py::value_error(name + ": " + exc.what());

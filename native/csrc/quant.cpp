@@ -823,7 +823,7 @@ void fused_i8(const uint8_t* rows, int64_t row_bytes, int64_t K, const float* x,
   }
 }
 
-// Q4_0 / Q4_1 against x rounded to int8 per block (QuantLinearArgs::int8_activations):
+// Q4_0 / Q4_1 against x rounded to int8 per block (QuantLinearArgs::activations Int8):
 // the 32 codes (u8) times the 32 int8 x values in two instructions (pairs summed to
 // int16, then to int32), the block's d * dx folded in with one FMA. The offset term
 // (m, or Q4_0's -8 d) takes the sums of the rounded x (see fused_rows).
@@ -1113,8 +1113,9 @@ void fused_tile(const QuantWeight& w, const uint8_t* rows, const float* x, const
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------
-// Integer GEMM against x rounded to int8 per block of 32 (QuantLinearArgs::
-// int8_activations, several rows of x; AVX-512 VNNI build), for Q4_0, Q4_1, Q8_0,
+// Integer GEMM against x rounded to int8 per block of 32 (QuantLinearArgs::activations
+// Int8, several rows of x; Int16, any rows, as two int8 rows each; AVX-512 VNNI build),
+// for Q4_0, Q4_1, Q8_0,
 // Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K and Q6_K.
 //
 // Every encoding is read as units of 32 elements (one block of x) with unsigned codes
@@ -1312,13 +1313,24 @@ void vnni_tile(const QuantWeight& w, const UnitForm& f, int64_t n, int64_t rows,
   }
 }
 
-// x rounded as quantize_x_q8 does (the same float operations, vectorized), with
-// d_x * sum(q) over each half of each block (xs[2 * block + half]) and 128 * sum(q)
-// over each block. False when x holds a NaN or an infinity (the call then takes the
-// float path).
-bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* x128) {
+// Largest |q| of the 16-bit rounding: 255 * 127 + 127, so that q = 255 hi + lo with
+// hi = round(q / 255) and lo in [-127, 127].
+constexpr float kInt16Levels = 32512.0f;
+
+inline void put_i8(__m512i q, int8_t* out) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q)); }
+
+// Rows of x rounded per block of 32 and written as int8 rows (Q8Rows), with, per row
+// of x and block, the scale d, d * sum(q) over each half (xs[2 * block + half]) and
+// 128 * sum(q). Int8: row m rounded as quantize_x_q8 does (the same float operations,
+// vectorized). Int16: d = max|x_b| / 32512, q = round(x / d), written as int8 rows 2m
+// (hi = round(q / 255)) and 2m + 1 (lo = q - 255 hi), so that q = 255 hi + lo exactly.
+// False when x holds a NaN or an infinity (the call then takes the float path).
+bool quantize_rows_q8(const float* x, int64_t M, int64_t K, Activations act, int8_t* xq, float* xd, float* xs,
+                      int32_t* x128) {
   const int64_t nb = K / 32;
-  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const bool wide = act == Activations::Int16;
+  const __m512 sign = _mm512_set1_ps(-0.0f), inv255 = _mm512_set1_ps(1.0f / 255.0f);
+  const __m512i k255 = _mm512_set1_epi32(255);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + m * K + 32 * b;
@@ -1326,13 +1338,25 @@ bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
       // NaN or inf (max_ps would drop a NaN, so ask each lane's class)
       if (_mm512_fpclass_ps_mask(v0, 0x99) | _mm512_fpclass_ps_mask(v1, 0x99)) return false;
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-      const float d = amax / 127.0f;
+      const float d = amax / (wide ? kInt16Levels : 127.0f);
       const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // nearest-even, as nearbyint
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      int8_t* out = xq + m * K + 32 * b;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
+      if (wide) {
+        // |q / 255 - hi| <= 1/2 with q / 255 never within 1/510 of a half, so the float
+        // quotient's rounding cannot move hi; |lo| <= 127.
+        const __m512i hi0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), inv255));
+        const __m512i hi1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), inv255));
+        int8_t* out = xq + 2 * m * K + 32 * b;
+        put_i8(hi0, out);
+        put_i8(hi1, out + 16);
+        put_i8(_mm512_sub_epi32(q0, _mm512_mullo_epi32(hi0, k255)), out + K);
+        put_i8(_mm512_sub_epi32(q1, _mm512_mullo_epi32(hi1, k255)), out + K + 16);
+      } else {
+        int8_t* out = xq + m * K + 32 * b;
+        put_i8(q0, out);
+        put_i8(q1, out + 16);
+      }
       const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
       const int64_t at = m * nb + b;
       xd[at] = d;
@@ -1344,7 +1368,9 @@ bool quantize_rows_q8(const float* x, int64_t M, int64_t K, int8_t* xq, float* x
   return true;
 }
 
-// Activations of one call: rows of x rounded to int8 (see quantize_rows_q8).
+// Activations of one call: P int8 rows per row of x (1: Int8; 2: Int16's hi and lo),
+// q[(P * m + p) * K + k], and per row of x m and block b at m * nb + b: the scale d,
+// half_sums[2 * (m * nb + b) + half] and sums128 (see quantize_rows_q8).
 struct Q8Rows {
   const int8_t* q;
   const float* d;
@@ -1355,22 +1381,23 @@ struct Q8Rows {
 };
 
 // out[m, 0..lanes) for MR rows of x (from row m0) against one tile: H halves per unit,
-// kQ128 for codes offset by 128.
-template <int MR, int H, bool kQ128>
+// kQ128 for codes offset by 128, P int8 rows per row of x (their integer sums combine
+// as 255 hi + lo before the scale).
+template <int MR, int H, bool kQ128, int P>
 void vnni_block(const VnniTile& t, const Q8Rows& x, int64_t m0, float* out, int64_t ldo, __mmask16 lanes) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.nb; ++b) {
     const __m512i* cv = reinterpret_cast<const __m512i*>(t.codes.data() + b * 512);
-    __m512i isum[H][MR];
+    __m512i isum[H][MR * P];
     for (int h = 0; h < H; ++h)
-      for (int i = 0; i < MR; ++i) isum[h][i] = _mm512_setzero_si512();
+      for (int i = 0; i < MR * P; ++i) isum[h][i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       const __m512i w = _mm512_loadu_si512(cv + j);
       const int h = H == 2 ? j / 4 : 0;
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR * P; ++i) {
         int32_t four;
-        std::memcpy(&four, x.q + (m0 + i) * x.K + 32 * b + 4 * j, 4);
+        std::memcpy(&four, x.q + (P * m0 + i) * x.K + 32 * b + 4 * j, 4);
         isum[h][i] = _mm512_dpbusd_epi32(isum[h][i], w, _mm512_set1_epi32(four));
       }
     }
@@ -1379,7 +1406,10 @@ void vnni_block(const VnniTile& t, const Q8Rows& x, int64_t m0, float* out, int6
       const __m512 o = _mm512_loadu_ps(t.o.data() + (b * H + h) * 16);
       for (int i = 0; i < MR; ++i) {
         const int64_t at = (m0 + i) * x.nb + b;
-        __m512i sum = isum[h][i];
+        __m512i sum = isum[h][P * i];
+        if (P == 2) {  // 255 hi + lo: |sum| < 2^29
+          sum = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(sum, 8), sum), isum[h][P * i + 1]);
+        }
         if (kQ128) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(x.sums128[at]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(x.d[at])), acc[i]);
         if (!kQ128) {
@@ -1392,59 +1422,70 @@ void vnni_block(const VnniTile& t, const Q8Rows& x, int64_t m0, float* out, int6
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo, lanes, acc[i]);
 }
 
-// Every row of x against one tile, MR rows at a time (eight with one scale per unit,
-// four with two: the registers hold MR * H integer sums, the eight code vectors and MR
-// accumulators).
-template <int H, bool kQ128>
+// Every row of x against one tile, MR rows at a time (eight int8 rows with one scale
+// per unit, four with two: the registers hold MR * P * H integer sums, the eight code
+// vectors and MR accumulators).
+template <int H, bool kQ128, int P>
 void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t M, float* out, int64_t ldo, __mmask16 lanes) {
-  constexpr int kMr = H == 2 ? 4 : 8;
+  constexpr int kMr = (H == 2 ? 4 : 8) / P;
   int64_t m = 0;
-  for (; m + kMr <= M; m += kMr) vnni_block<kMr, H, kQ128>(t, x, m, out, ldo, lanes);
+  for (; m + kMr <= M; m += kMr) vnni_block<kMr, H, kQ128, P>(t, x, m, out, ldo, lanes);
   switch (M - m) {
-    case 7: vnni_block<7, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 6: vnni_block<6, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 5: vnni_block<5, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 4: vnni_block<4, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 3: vnni_block<3, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 2: vnni_block<2, H, kQ128>(t, x, m, out, ldo, lanes); break;
-    case 1: vnni_block<1, H, kQ128>(t, x, m, out, ldo, lanes); break;
+    case 7: vnni_block<7, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 6: vnni_block<6, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 5: vnni_block<5, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 4: vnni_block<4, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 3: vnni_block<3, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 2: vnni_block<2, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
+    case 1: vnni_block<1, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
     default: break;
   }
 }
 
-// The integer GEMM over output features [n_begin, n_end), or false (nothing written)
-// when this call is not one for it: another encoding, or x not finite.
-bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
+template <int P>
+void vnni_tiles(const QuantLinearArgs& a, const UnitForm& f, const Q8Rows& x, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
-  UnitForm f;
-  if (!unit_form(w.encoding, f)) return false;
-  if (!gathered_directly(w.encoding) && a.M < kVnniMinRowsDecoded) return false;
-  const int64_t nb = w.K / 32;
-  static thread_local std::vector<int8_t> xq;
-  static thread_local std::vector<float> xd, xs;
-  static thread_local std::vector<int32_t> x128;
   static thread_local VnniTile tile;
-  xq.resize(a.M * w.K);
-  xd.resize(a.M * nb);
-  xs.resize(2 * a.M * nb);
-  x128.resize(a.M * nb);
-  if (!quantize_rows_q8(a.x, a.M, w.K, xq.data(), xd.data(), xs.data(), x128.data())) return false;
-  const Q8Rows x{xq.data(), xd.data(), xs.data(), x128.data(), w.K, nb};
   for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
     const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
     prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
     vnni_tile(w, f, n, rows, tile);
     const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
     float* out = a.out + n;
-    if (f.q128) vnni_rows_of_x<1, true>(tile, x, a.M, out, w.N, lanes);
-    else if (f.H == 2) vnni_rows_of_x<2, false>(tile, x, a.M, out, w.N, lanes);
-    else vnni_rows_of_x<1, false>(tile, x, a.M, out, w.N, lanes);
+    if (f.q128) vnni_rows_of_x<1, true, P>(tile, x, a.M, out, w.N, lanes);
+    else if (f.H == 2) vnni_rows_of_x<2, false, P>(tile, x, a.M, out, w.N, lanes);
+    else vnni_rows_of_x<1, false, P>(tile, x, a.M, out, w.N, lanes);
   }
+}
+
+// The integer GEMM over output features [n_begin, n_end), or false (nothing written)
+// when this call is not one for it: float32 activations, another encoding, too few
+// rows for a decoded encoding, or x not finite.
+bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
+  const QuantWeight& w = a.w;
+  UnitForm f;
+  if (a.activations == Activations::Float32 || !unit_form(w.encoding, f)) return false;
+  const int64_t P = a.activations == Activations::Int16 ? 2 : 1, Mq = P * a.M;
+  if (Mq < (gathered_directly(w.encoding) ? kVnniMinRows : kVnniMinRowsDecoded)) return false;
+  // One row of x against Q8_0 stays on the one-row float kernel: as two int8 rows the
+  // GEMM's gathers cost more than the weight's read (1.22 vs 1.08 ms, 49152 x 576).
+  if (w.encoding == QuantEncoding::Q8_0 && a.M == 1) return false;
+  const int64_t nb = w.K / 32;
+  static thread_local std::vector<int8_t> xq;
+  static thread_local std::vector<float> xd, xs;
+  static thread_local std::vector<int32_t> x128;
+  xq.resize(Mq * w.K);
+  xd.resize(a.M * nb);
+  xs.resize(2 * a.M * nb);
+  x128.resize(a.M * nb);
+  if (!quantize_rows_q8(a.x, a.M, w.K, a.activations, xq.data(), xd.data(), xs.data(), x128.data())) return false;
+  const Q8Rows x{xq.data(), xd.data(), xs.data(), x128.data(), w.K, nb};
+  if (P == 2) vnni_tiles<2>(a, f, x, n_begin, n_end);
+  else vnni_tiles<1>(a, f, x, n_begin, n_end);
   return true;
 }
 constexpr bool kHaveVnniGemm = true;
 #else
-constexpr int64_t kVnniMinRows = 2;
 bool vnni_rows(const QuantLinearArgs&, int64_t, int64_t) { return false; }
 constexpr bool kHaveVnniGemm = false;
 #endif
@@ -1485,7 +1526,7 @@ void fused_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
       else block_sums(x, full, B, out);
     }
   }
-  bool q8 = a.int8_activations && a.M == 1 &&
+  bool q8 = a.activations == Activations::Int8 && a.M == 1 &&
             (w.encoding == QuantEncoding::Q4_0 || w.encoding == QuantEncoding::Q4_1);
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> xd;
@@ -1558,9 +1599,11 @@ bool int8_gemm(QuantEncoding e) {
 
 void quantized_linear_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
 #if PYAGENT_QUANT_SIMD
-  if (a.M <= kFusedMaxRows) {
+  if (kHaveVnniGemm && vnni_rows(a, n_begin, n_end)) {
+    // the integer GEMM took it (see vnni_rows for the cases it leaves)
+  } else if (a.M <= kFusedMaxRows) {
     fused_rows(a, n_begin, n_end);
-  } else if (!(kHaveVnniGemm && a.int8_activations && a.M >= kVnniMinRows && vnni_rows(a, n_begin, n_end))) {
+  } else {
     tiled_rows(a, n_begin, n_end);
   }
 #else

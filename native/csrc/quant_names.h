@@ -29,6 +29,14 @@ inline QuantEncoding parse_quant_encoding(const std::string& name) {
   throw std::invalid_argument("encoding: unknown '" + name + "' (expected " + expected + ")");
 }
 
+// An operand's or call's `activations`: "float32", "int8" or "int16" (QuantLinearArgs).
+inline Activations parse_activations(const std::string& name) {
+  if (name == "float32") return Activations::Float32;
+  if (name == "int8") return Activations::Int8;
+  if (name == "int16") return Activations::Int16;
+  throw std::invalid_argument("activations: unknown '" + name + "' (expected 'float32', 'int8' or 'int16')");
+}
+
 // Bytes per row of `encoding` for K input features; checks K and group.
 inline int64_t checked_row_bytes(const std::string& encoding, int64_t K, int64_t group) {
   const QuantEncoding e = parse_quant_encoding(encoding);

@@ -158,20 +158,25 @@ def check_linear(data, encoding, group, x, bias, threads, isa):
     return out
 
 
-def round_x_q8(x):
-    """x [M, K] rounded to int8 per block of 32 as the kernels do it, in float32:
-    d = max|x_b| / 127, q = round-half-even(x * (1 / d)). Returns (q int64 [M, K],
-    d float64 [M, K / 32])."""
+# The largest rounded |x| of each integer activation (``_core.quantized_linear``'s
+# ``activations``): int8, and int16's 255 * 127 + 127 (q = 255 hi + lo, two int8 rows).
+LEVELS = {"int8": 127, "int16": 32512}
+
+
+def round_x(x, activations="int8"):
+    """x [M, K] rounded per block of 32 as the kernels do it, in float32:
+    d = max|x_b| / LEVELS[activations], q = round-half-even(x * (1 / d)). Returns
+    (q int64 [M, K], d float64 [M, K / 32])."""
     m, k = x.shape
     blocks = x.astype(np.float32).reshape(m, k // 32, 32)
-    d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float32)
+    d = (np.abs(blocks).max(axis=2) / np.float32(LEVELS[activations])).astype(np.float32)
     inv = np.zeros_like(d)
     np.divide(np.float32(1), d, out=inv, where=d > 0)
     q = np.rint((blocks * inv[:, :, None]).astype(np.float32)).astype(np.int64)
     return q.reshape(m, k), d.astype(np.float64)
 
 
-def int8_reference(x, data, encoding):
+def int8_reference(x, data, encoding, activations="int8"):
     """The integer-activation product of Q4_0 / Q4_1 / Q8_0 in float64: per block b,
     (d_w * d_x) * sum(code * q_x), exact in integers, plus the block's offset (Q4_1's m,
     Q4_0's -8 d) times d_x * sum(q_x): the dequantized weight times the dequantized x.
@@ -187,12 +192,15 @@ def int8_reference(x, data, encoding):
         qs = blocks[:, :, 4:20] if encoding == "Q4_1" else blocks[:, :, 2:18]
         codes = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64)
         offset = _half(blocks, 2) if encoding == "Q4_1" else -8.0 * d
-    q, dx = round_x_q8(x)
+    q, dx = round_x(x, activations)
     dots = np.einsum("mbk,nbk->mnb", q.reshape(m, k // 32, 32), codes)  # exact integers
-    qsum = q.reshape(m, k // 32, 32).sum(axis=2) * dx  # exact integer sums, times d_x
+    halves = q.reshape(m, k // 32, 2, 16).sum(axis=3) * dx[:, :, None]  # exact integer sums, times d_x
     scaled = dots * d[None] * dx[:, None, :]
-    offsets_term = offset[None] * qsum[:, None, :]
-    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + np.abs(offsets_term)).sum(axis=2)
+    offsets_term = offset[None] * halves.sum(axis=2)[:, None, :]
+    # the kernels round d_x times each half's sum before adding the two, so the offset
+    # term's rounding scales with both halves (they may cancel)
+    offsets_size = np.abs(offset[None]) * np.abs(halves).sum(axis=2)[:, None, :]
+    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + offsets_size).sum(axis=2)
 
 
 # Encodings the AVX-512 build's integer GEMM reads (``_core.int8_gemm``).
@@ -216,12 +224,12 @@ def int8_unit_offsets(data, encoding, k):
     return np.abs(offsets(data, encoding, k))
 
 
-def int8_gemm_reference(x, data, encoding):
+def int8_gemm_reference(x, data, encoding, activations="int8"):
     """The integer GEMM's product in float64: the reference's dequantized weight times x
-    rounded to int8 per block of 32 (``round_x_q8``). Returns (value, and the magnitude
-    sum (|w| + |o|) |x8| that scales its float32 rounding)."""
+    rounded per block of 32 (``round_x``). Returns (value, and the magnitude sum
+    (|w| + |o|) |x8| that scales its float32 rounding)."""
     m, k = x.shape
-    q, dx = round_x_q8(x)
+    q, dx = round_x(x, activations)
     x8 = (q.reshape(m, k // 32, 32) * dx[:, :, None]).reshape(m, k)
     w = reference_dequantize(data, encoding, k).astype(np.float64)
     size = np.abs(w) + int8_unit_offsets(data, encoding, k)

@@ -301,7 +301,7 @@ def test_parts_equal_the_whole_weight(T):
         **base,
         "qkv": {"parts": [
             {"data": q4, "encoding": "Q4_0", "group": 0, "bias": qkv_bias[:48]},
-            {"data": q8, "encoding": "Q8_0", "group": 0, "bias": qkv_bias[48:], "int8_activations": False},
+            {"data": q8, "encoding": "Q8_0", "group": 0, "bias": qkv_bias[48:], "activations": "float32"},
         ]},
         "gate_up": {"parts": [  # float parts, a split not on a multiple of four rows
             {"weight": np.ascontiguousarray(gate_up[:13]), "bias": None},
@@ -355,5 +355,9 @@ def test_bad_parts_are_value_errors_naming_the_linear():
         _stack(**big, qkv={"parts": [{"data": q8(32, 32), "encoding": "Q8_0", "group": 0, "bias": None},
                                      {"data": np.zeros((32, 144), np.uint8), "encoding": "Q4_K", "group": 0,
                                       "bias": None}]})
-    _stack(**big, qkv={"parts": [{"data": q8(40, 32), "encoding": "Q8_0", "group": 0, "bias": None},
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\.parts\[0\]: activations: unknown 'int4' \(expected "
+                                         r"'float32', 'int8' or 'int16'\)"):
+        _stack(**big, qkv={"parts": [{"data": q8(64, 32), "encoding": "Q8_0", "group": 0, "bias": None,
+                                      "activations": "int4"}]})
+    _stack(**big, qkv={"parts": [{"data": q8(40, 32), "encoding": "Q8_0", "group": 0, "bias": None, "activations": "int16"},
                                  {"weight": w(24, 32), "bias": w(24)}]})  # accepted: packed and float parts

@@ -28,6 +28,7 @@ from native.tests.quant_reference import (
     assert_bits_equal,
     check_linear,
     INT8_GEMM,
+    LEVELS,
     dequantize,
     int8_gemm_reference,
     int8_reference,
@@ -244,15 +245,15 @@ def test_bad_dequantize_arguments():
         _core.quant_row_bytes("q4_1", 32)
 
 
-# --------------------------------------------------------------------------- int8 activations
+# --------------------------------------------------------------------------- integer activations
 
 
-def _int8_activation_bound(x, w):
-    """|sum w (x8 - x)| where x8 rounds x to int8 per block of 32 (scale max|x_b| / 127):
-    each element moves at most half a step, max|x_b| / 254, weighted by |w| (the kernels
-    compute dequantized w times dequantized x8), plus float32 slack."""
+def _rounding_bound(x, w, activations):
+    """|sum w (xr - x)| where xr rounds x per block of 32 (scale max|x_b| / LEVELS):
+    each element moves at most half a step, weighted by |w| (the kernels compute
+    dequantized w times dequantized xr), plus float32 slack."""
     k = x.shape[1]
-    step = np.abs(x.reshape(x.shape[0], k // 32, 32)).max(axis=2) / 127  # [M, blocks]
+    step = np.abs(x.reshape(x.shape[0], k // 32, 32)).max(axis=2) / LEVELS[activations]  # [M, blocks]
     per_block = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(axis=2)  # [N, blocks]
     exact = np.abs(x.astype(np.float64)) @ np.abs(w.T)
     return (step / 2) @ per_block.T * (1 + 1e-3) + 1e-5 * exact + 1e-6
@@ -260,6 +261,7 @@ def _int8_activation_bound(x, w):
 
 @settings(max_examples=60, deadline=None)
 @given(
+    activations=st.sampled_from(["int8", "int16"]),
     encoding=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
     m=st.integers(1, 9),
     n=st.integers(1, 70),
@@ -268,8 +270,8 @@ def _int8_activation_bound(x, w):
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_int8_activations_stay_within_the_rounding_of_x(encoding, m, n, blocks, bias, threads, seed):
-    """Against the exact float64 product: no worse than rounding x to int8 per block."""
+def test_integer_activations_stay_within_the_rounding_of_x(activations, encoding, m, n, blocks, bias, threads, seed):
+    """Against the exact float64 product: no worse than rounding x per block."""
     rng = np.random.default_rng(seed)
     k = 32 * blocks
     data = random_weight(encoding, n, k, 0, rng)
@@ -278,18 +280,23 @@ def test_int8_activations_stay_within_the_rounding_of_x(encoding, m, n, blocks, 
     x[0, rng.integers(0, k)] = 0.0
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     out = np.empty((m, n), np.float32)
-    _core.quantized_linear(out, x, data, encoding, 0, b, threads, "auto", True)
+    _core.quantized_linear(out, x, data, encoding, 0, b, threads, "auto", activations)
     want = x.astype(np.float64) @ w.T + (0 if b is None else b)
-    assert (np.abs(out - want) <= _int8_activation_bound(x, w)).all()
+    assert (np.abs(out - want) <= _rounding_bound(x, w, activations)).all()
 
 
-def _takes_int8(isa, encoding, m):
-    """Whether `isa`'s build rounds x to int8 for this product: the one-row Q4_0/Q4_1
+def _takes_integers(isa, encoding, m, activations):
+    """Whether `isa`'s build rounds x for this product. int8: the one-row Q4_0/Q4_1
     kernels (AVX2 and AVX-512 builds) and the AVX-512 build's VNNI GEMM for the
-    encodings of INT8_GEMM, from two rows of x on (Q4_0/Q4_1/Q8_0) or eight (the rest)."""
-    if m == 1:
+    encodings of INT8_GEMM, from two rows of x on (Q4_0/Q4_1/Q8_0) or eight (the rest).
+    int16: the AVX-512 GEMM alone, each row of x taking two int8 rows; one row of x
+    against Q8_0 stays in float32."""
+    rows = 2 * m if activations == "int16" else m
+    if activations == "int8" and m == 1:
         return isa in ("avx2", "avx512") and encoding in ("Q4_0", "Q4_1")
-    if m < 8 and encoding not in ("Q4_0", "Q4_1", "Q8_0"):  # decoded tiles: from 8 rows on
+    if activations == "int16" and m == 1 and encoding == "Q8_0":
+        return False
+    if rows < 8 and encoding not in ("Q4_0", "Q4_1", "Q8_0"):  # decoded tiles: from 8 int8 rows on
         return False
     return isa == "avx512" and encoding in INT8_GEMM
 
@@ -300,8 +307,9 @@ def test_int8_gemm_names_its_encodings():
             assert _core.int8_gemm(encoding, isa) == (isa == "avx512" and encoding in INT8_GEMM)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
+    activations=st.sampled_from(["int8", "int16"]),
     encoding=st.sampled_from(INT8_GEMM),
     m=st.integers(1, 64),
     n=st.integers(1, 70),
@@ -311,13 +319,17 @@ def test_int8_gemm_names_its_encodings():
     isa=st.sampled_from(ISAS),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_int8_activations_match_the_float64_twin_of_the_same_rounding(encoding, m, n, blocks, bias, threads, isa, seed):
-    """With int8 activations the kernels compute the dequantized weight times x rounded
-    to int8 per block of 32. Q4_0/Q4_1/Q8_0 against the integer arithmetic itself in
-    float64 (``int8_reference``: per block, (d_w d_x) * the exact integer sum, plus the
-    offset times d_x * sum(q)); every GEMM encoding against the reference's dequantized
-    weight times the rounded x (``int8_gemm_reference``); both exact up to float32
-    rounding. Cases a build leaves in float32 give the float path's bits."""
+def test_integer_activations_match_the_float64_twin_of_the_same_rounding(
+    activations, encoding, m, n, blocks, bias, threads, isa, seed
+):
+    """With integer activations the kernels compute the dequantized weight times x
+    rounded per block of 32 (int8: to 127 levels each side; int16: to 32512, multiplied
+    as two int8 rows hi and lo with q = 255 hi + lo). Q4_0/Q4_1/Q8_0 against the integer
+    arithmetic itself in float64 (``int8_reference``: per block, (d_w d_x) * the exact
+    integer sum, plus the offset times d_x * sum(q)); every GEMM encoding against the
+    reference's dequantized weight times the rounded x (``int8_gemm_reference``); both
+    exact up to float32 rounding. Cases a build leaves in float32 give the float path's
+    bits."""
     rng = np.random.default_rng(seed)
     per_block = GGUF_LAYOUT[encoding][0]
     k = per_block * (blocks if per_block == 32 else 1 + blocks % 4)
@@ -327,53 +339,56 @@ def test_int8_activations_match_the_float64_twin_of_the_same_rounding(encoding, 
     x[rng.integers(0, m), :32] = 0.0  # an all-zero block: scale 0
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     out = np.full((m, n), np.nan, np.float32)
-    _core.quantized_linear(out, x, data, encoding, 0, b, threads, isa, True)
-    if not _takes_int8(isa, encoding, m):
+    _core.quantized_linear(out, x, data, encoding, 0, b, threads, isa, activations)
+    if not _takes_integers(isa, encoding, m, activations):
         plain = np.empty_like(out)
         _core.quantized_linear(plain, x, data, encoding, 0, b, threads, isa)
         assert np.array_equal(out.view(np.uint32), plain.view(np.uint32))
         return
     units = k // 32
-    twins = [int8_gemm_reference(x, data, encoding)]
+    twins = [int8_gemm_reference(x, data, encoding, activations)]
     if encoding in ("Q4_0", "Q4_1", "Q8_0"):
-        twins.append(int8_reference(x, data, encoding))
+        twins.append(int8_reference(x, data, encoding, activations))
     for want, magnitude in twins:
         if b is not None:
             want, magnitude = want + b, magnitude + np.abs(b)
         err = np.abs(out - want)
         tol = (units + 10) * 2.0**-23 * magnitude + 1e-30
         worst = np.unravel_index(np.argmax(err - tol), err.shape)
-        assert np.all(err <= tol), f"{encoding} {isa} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+        assert np.all(err <= tol), f"{encoding} {isa} {activations} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
 
 
+@pytest.mark.parametrize("activations", ["int8", "int16"])
 @pytest.mark.parametrize(
-    "encoding, group, m", [("Q8_0", 0, 1), ("Q6_K", 0, 1), ("I4", 32, 1), ("I4", 32, 5), ("Q3_K", 0, 4), ("I8", 0, 3)]
+    "encoding, group, m", [("Q8_0", 0, 1), ("Q6_K", 0, 1), ("I4", 32, 1), ("I4", 32, 5), ("Q3_K", 0, 3), ("I8", 0, 3)]
 )
-def test_int8_activations_leave_other_cases_in_float32(encoding, group, m):
-    """Encodings without an integer kernel (and one-row products other than Q4_0/Q4_1)
-    give the float32 path's bits."""
+def test_integer_activations_leave_other_cases_in_float32(activations, encoding, group, m):
+    """Encodings without an integer kernel (and products too small for the integer
+    GEMM: one row against Q8_0 or a decoded encoding) give the float32 path's bits."""
     rng = np.random.default_rng(1)
     k = 256 if encoding in ("Q6_K", "Q3_K") else 96
     data = random_weight(encoding, 40, k, group, rng)
     x = rng.standard_normal((m, k)).astype(np.float32)
     plain, flagged = np.empty((m, 40), np.float32), np.empty((m, 40), np.float32)
     _core.quantized_linear(plain, x, data, encoding, group, None, 2)
-    _core.quantized_linear(flagged, x, data, encoding, group, None, 2, "auto", True)
+    _core.quantized_linear(flagged, x, data, encoding, group, None, 2, "auto", activations)
     assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
 
 
-def test_int8_activations_are_ignored_by_the_portable_build():
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_integer_activations_are_ignored_by_the_portable_build(activations):
     rng = np.random.default_rng(2)
     data = random_weight("Q4_1", 12, 64, 0, rng)
-    x = rng.standard_normal((1, 64)).astype(np.float32)
-    plain, flagged = np.empty((1, 12), np.float32), np.empty((1, 12), np.float32)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    plain, flagged = np.empty((3, 12), np.float32), np.empty((3, 12), np.float32)
     _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1, "generic")
-    _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "generic", True)
+    _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "generic", activations)
     assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
 
 
-def test_int8_activations_leave_non_finite_x_to_float32():
-    """x with an infinity or a NaN has no int8 scale: the float32 path computes it."""
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+def test_integer_activations_leave_non_finite_x_to_float32(activations):
+    """x with an infinity or a NaN has no integer scale: the float32 path computes it."""
     rng = np.random.default_rng(3)
     data = random_weight("Q4_1", 8, 64, 0, rng)
     for bad in (np.inf, np.nan):
@@ -382,5 +397,12 @@ def test_int8_activations_leave_non_finite_x_to_float32():
             x[m - 1, 5] = bad
             plain, flagged = np.empty((m, 8), np.float32), np.empty((m, 8), np.float32)
             _core.quantized_linear(plain, x, data, "Q4_1", 0, None, 1)
-            _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "auto", True)
+            _core.quantized_linear(flagged, x, data, "Q4_1", 0, None, 1, "auto", activations)
             assert np.array_equal(plain.view(np.uint32), flagged.view(np.uint32))
+
+
+def test_unknown_activations_are_value_errors():
+    data = random_weight("Q4_1", 8, 64, 0, np.random.default_rng(4))
+    out, x = np.empty((2, 8), np.float32), np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="activations: unknown 'int4' \\(expected 'float32', 'int8' or 'int16'\\)"):
+        _core.quantized_linear(out, x, data, "Q4_1", 0, None, 1, "auto", "int4")

@@ -18,8 +18,9 @@ model on its Python path.
 An operand is one of
 
 - ``{"weight", "bias"}``: float32 ``[N, K]``, bias ``[N]`` or None;
-- ``{"data", "encoding", "group", "bias", "int8_activations"}``: packed rows
-  (``uint8 [N, row bytes]``, see ``_core.quantized_linear``);
+- ``{"data", "encoding", "group", "bias", "activations"}``: packed rows
+  (``uint8 [N, row bytes]``; ``activations`` optional, ``"float32"``, ``"int8"`` or
+  ``"int16"``, see ``_core.quantized_linear``);
 - ``{"parts": [operand, ...]}``: a weight whose row ranges are stored in different
   encodings (a GGUF ``_M`` mix's fused q/k/v with v in more bits): each part one of
   the above with the layer's K and its own bias slice, computing the next N_p output

@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pyagent_framework import LLM, SamplingParams, registries  # noqa: E402
-from tests.tiny_models import COMMON, assert_same_greedy, engine_greedy, hf_greedy, hf_model, parity_prompts, save_tokenizer  # noqa: E402
+from tests.tiny_models import COMMON, EXACT, assert_same_greedy, engine_greedy, hf_greedy, hf_model, parity_prompts, save_tokenizer  # noqa: E402
 
 MAX_NEW = 16
 CASES = ("mixtral", "qwen3moe-norm", "qwen3moe-dense")
@@ -382,7 +382,8 @@ def test_gguf_copy_gives_the_same_tokens(reference, tmp_path):
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_gguf_q8_0_experts_stay_packed(reference, tmp_path, backend):
     """Q8_0 expert tensors load as one packed linear per expert and projection (the
-    router stays float), and give the tokens of the same file dequantized: through
+    router stays float), and with exact activations give the tokens of the same file
+    dequantized: through
     the block's grouped torch path (torch backend) and the native grouped kernel."""
     pytest.importorskip("gguf")
     if backend == "native":
@@ -390,7 +391,8 @@ def test_gguf_q8_0_experts_stay_packed(reference, tmp_path, backend):
     case, path, prompts, _ = reference
     file = str(_gguf(case, path, tmp_path / f"{case}-q8.gguf", "Q8_0"))
     packed = LLM(
-        file, tokenizer=path, attention_backend=backend, max_num_batched_tokens=7, block_size=4, kv_cache_memory="64MiB"
+        file, tokenizer=path, attention_backend=backend, max_num_batched_tokens=7, block_size=4, kv_cache_memory="64MiB",
+        quantization_config=EXACT,
     )
     block = packed.engine.core.model.model.layers[0].mlp
     for expert in block.experts:
@@ -422,8 +424,8 @@ def test_a_3d_tensor_that_is_not_an_expert_tensor_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_gguf_q4_k_experts_stay_packed(tmp_path, backend):
     """A qwen3moe file whose experts are Q4_K (rows of 256: a wider tiny model) keeps
-    each expert's gate/up and down packed in Q4_K, and gives the tokens of the same
-    file dequantized."""
+    each expert's gate/up and down packed in Q4_K, and with exact activations gives the
+    tokens of the same file dequantized."""
     pytest.importorskip("gguf")
     if backend == "native":
         pytest.importorskip("pyagent_native")
@@ -452,7 +454,8 @@ def test_gguf_q4_k_experts_stay_packed(tmp_path, backend):
     file = str(write_gguf(tmp_path / "q4k.gguf", "qwen3moe", config, state, metadata=metadata, types=types))
     tokenizer = tmp_path / "tokenizer"
     save_tokenizer(tokenizer)
-    packed = LLM(file, tokenizer=str(tokenizer), attention_backend=backend, max_num_batched_tokens=7, kv_cache_memory="64MiB")
+    packed = LLM(file, tokenizer=str(tokenizer), attention_backend=backend, max_num_batched_tokens=7, kv_cache_memory="64MiB",
+                 quantization_config=EXACT)
     for expert in packed.engine.core.model.model.layers[0].mlp.experts:
         assert [expert.gate_up_proj.packed.encoding, expert.down_proj.packed.encoding] == ["Q4_K", "Q4_K"]
     floats = LLM(

@@ -37,7 +37,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pyagent_framework import LLM, SamplingParams, registries  # noqa: E402
-from tests.tiny_models import COMMON, assert_same_greedy, engine_greedy, hf_greedy, hf_model, save_tokenizer  # noqa: E402
+from tests.tiny_models import COMMON, EXACT, assert_same_greedy, engine_greedy, hf_greedy, hf_model, save_tokenizer  # noqa: E402
 
 MAX_NEW = 16
 ORIGINAL = 32  # original_max_position_embeddings of the LongRoPE configurations
@@ -397,14 +397,14 @@ def test_rotary_embedding_longrope_per_token_as_transformers():
 def test_gguf_q8_0_fused_tensors_stay_packed(longrope_reference, tmp_path):
     """Q8_0 ``attn_qkv`` and ``ffn_up`` (gate | up) load as one packed linear each, on
     the native backend (whose fused decode step reads them packed where rotary is
-    full), and give the tokens of the same file dequantized."""
+    full), and with exact activations give the tokens of the same file dequantized."""
     pytest.importorskip("gguf")
     pytest.importorskip("pyagent_native")
     kind, path, _, prompts, _ = longrope_reference
     file = str(_gguf_copy(kind, path, tmp_path, "Q8_0"))
     options = dict(tokenizer=path, attention_backend="native", max_num_batched_tokens=512, block_size=4,
                    kv_cache_memory="64MiB")
-    packed = LLM(file, **options)
+    packed = LLM(file, quantization_config=EXACT, **options)
     layer = packed.engine.core.model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
         assert type(linear).__name__ == "PackedLinear" and linear.packed.encoding == "Q8_0"

@@ -3,9 +3,9 @@
 :class:`PackedLinear` runs decode-sized inputs (up to ``max_rows`` rows) through the
 native core's fused dequantize-GEMV/GEMM, which reads each packed byte once; larger
 inputs (prefill) are compute-bound, so the weight is dequantized a slice of rows at a
-time and multiplied by torch's GEMM. With int8 activations and an encoding the core
-multiplies in integers (``_core.int8_gemm``), inputs of every size go to the core,
-whose integer GEMM is 2-3x torch's float one. Without the native core both run on the
+time and multiplied by torch's GEMM. With integer activations (``"int8"`` or
+``"int16"``) and an encoding the core multiplies in integers (``_core.int8_gemm``),
+inputs of every size go to the core, whose integer GEMM is 2-3x torch's float one. Without the native core both run on the
 torch decoders of :mod:`pyagent_quant.encodings`.
 
 A weight with a column order (``PackedWeight.perm``, GPTQ act-order) takes
@@ -28,6 +28,9 @@ try:  # the native core is optional: without it the torch twin computes
 except ImportError:  # pragma: no cover - exercised where pyagent-native is absent
     _core = None
 
+# How x may enter the native products (PackedLinear's ``activations``).
+ACTIVATIONS = ("float32", "int8", "int16")
+
 # Prefill dequantizes this many weight rows at a time (a slice stays in cache).
 _SLICE = 1024
 
@@ -47,7 +50,7 @@ class PackedLinear(torch.nn.Module):
         bias: torch.Tensor | None = None,
         *,
         native: bool | None = None,
-        int8_activations: bool = False,
+        activations: str = "float32",
     ) -> None:
         super().__init__()
         self.packed = packed
@@ -72,16 +75,19 @@ class PackedLinear(torch.nn.Module):
         )
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.encoding, self.group = encodings.kernel_encoding(packed.encoding)
-        # Products with x rounded to int8 per block of 32 (the native kernels that have
-        # an integer path; see pyagent_native's kernels.h): faster, approximate.
-        self.int8_activations = bool(int8_activations)
+        # How x enters the native kernels' products (see pyagent_native's kernels.h):
+        # "float32" exact, "int8" or "int16" rounded per block of 32 and multiplied in
+        # integers where a kernel has an integer path.
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activations!r}")
+        self.activations = activations
         self.native = native_available() if native is None else native
         if self.native and not native_available():
             raise ValueError("the native core (pyagent-native, with quantized kernels) is not installed")
-        # With int8 activations and the core's integer GEMM for this encoding, every
+        # With integer activations and the core's integer GEMM for this encoding, every
         # number of rows (prefill too) goes to the core: it beats dequantize + float GEMM.
         self._any_rows = bool(
-            self.native and self.int8_activations and hasattr(_core, "int8_gemm") and _core.int8_gemm(self.encoding)
+            self.native and activations != "float32" and hasattr(_core, "int8_gemm") and _core.int8_gemm(self.encoding)
         )
         if self.native:
             self._data_array = packed.data.numpy()
@@ -91,7 +97,7 @@ class PackedLinear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, encoding={self.packed.encoding}, "
             f"bias={self.bias is not None}, native={self.native}"
-            + (", int8_activations=True" if self.int8_activations else "")
+            + (f", activations={self.activations}" if self.activations != "float32" else "")
             + (", perm=True" if self.perm is not None else "")
             + (f", offsets={self.offsets.shape[1]}" if self.offsets is not None else "")
         )
@@ -106,7 +112,7 @@ class PackedLinear(torch.nn.Module):
             "encoding": self.encoding,
             "group": self.group,
             "bias": self._bias_array,
-            "int8_activations": self.int8_activations,
+            "activations": self.activations,
         }
 
     def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -144,7 +150,7 @@ class PackedLinear(torch.nn.Module):
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             _core.quantized_linear(
                 out.numpy(), flat.detach().numpy(), self._data_array, self.encoding, self.group,
-                self._bias_array, torch.get_num_threads(), "auto", self.int8_activations,
+                self._bias_array, torch.get_num_threads(), "auto", self.activations,
             )
             if self.offsets is not None:
                 # Each offset multiplies the sum of x over its run of stored columns.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pyagent_framework.interfaces import PackedParts, PackedWeight, Quantizer
 
 from . import encodings, prequantized
-from .linear import PackedEmbedding, PackedLinear, PackedPartsLinear, native_available
+from .linear import ACTIVATIONS, PackedEmbedding, PackedLinear, PackedPartsLinear, native_available
 
 
 def _float_weight(weight, quantizer: str) -> torch.Tensor:
@@ -97,23 +97,31 @@ class GGUFQuantizer(Quantizer):
     logs which) and are computed in float32: with the native core's small-batch
     kernel when it is installed, else by torch.
 
-    Option ``activations``: ``"float32"`` (default; results within float rounding of
-    the dequantized model) or ``"int8"``: x is rounded to int8 per block of 32 and
-    multiplied in integers, as llama.cpp does (~1% error per product): one-row
-    ``Q4_0``/``Q4_1`` products in the native AVX2 and AVX-512 builds (about 1.4x
-    faster), and several rows (batched decode, prefill) of ``Q4_0``/``Q4_1``/``Q8_0``/
-    ``Q5_0``/``Q5_1``/``IQ4_NL``/``Q4_K``/``Q5_K``/``Q6_K`` in the AVX-512 build's VNNI
-    GEMM (2-3.5x the float GEMM at 32-64 rows)."""
+    Option ``activations``, how x enters the products of the native kernels:
+
+    - ``"int16"`` (default): x is rounded to 16 bits per block of 32 (an error of at
+      most max|x_b| / 65024 per element; no measurable perplexity cost) and multiplied
+      in integers, as two int8 rows, by the AVX-512 VNNI build's integer GEMM for
+      ``Q4_0``/``Q4_1``/``Q8_0``/``Q5_0``/``Q5_1``/``IQ4_NL``/``Q4_K``/``Q5_K``/``Q6_K``
+      (1.3-1.5x the float kernels for one row, about 2x for 4-64 rows). Products
+      without that kernel (another build or encoding, one row against ``Q8_0``, under
+      four rows against the decoded encodings) compute in float32.
+    - ``"float32"``: results within float rounding of the dequantized model (the
+      reference the tests hold the others to).
+    - ``"int8"``: x is rounded to int8 per block of 32, as llama.cpp does (~1% error
+      per product; about +1% perplexity on SmolLM2): one-row ``Q4_0``/``Q4_1``
+      products in the native AVX2 and AVX-512 builds (about 1.4x faster), and several
+      rows in the VNNI GEMM (2-3.5x the float GEMM at 32-64 rows)."""
 
     name = "gguf"
     supported_devices = ("cpu",)
     packed_encodings = encodings.GGUF_ENCODINGS
     needs_packed = True
 
-    def __init__(self, activations: str = "float32") -> None:
-        if activations not in ("float32", "int8"):
-            raise ValueError(f"activations must be 'float32' or 'int8', got {activations!r}")
-        self.int8_activations = activations == "int8"
+    def __init__(self, activations: str = "int16") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activations!r}")
+        self.activations = activations
 
     def make_linear(self, weight, bias=None):
         if isinstance(weight, PackedWeight | PackedParts):
@@ -124,8 +132,8 @@ class GGUFQuantizer(Quantizer):
                     f"(it reads {', '.join(sorted(self.packed_encodings))})"
                 )
             if isinstance(weight, PackedParts):
-                return PackedPartsLinear(weight, bias, int8_activations=self.int8_activations)
-            return PackedLinear(weight, bias, int8_activations=self.int8_activations)
+                return PackedPartsLinear(weight, bias, activations=self.activations)
+            return PackedLinear(weight, bias, activations=self.activations)
         weight = _float_weight(weight, self.name).float().contiguous()
         if native_available():
             from pyagent_native.linear import NativeLinear
@@ -143,7 +151,9 @@ class PrequantizedQuantizer(GGUFQuantizer):
     """A GPTQ, AWQ or compressed-tensors checkpoint's quantized weights, computed as
     stored: repacked on load (``pyagent_quant.prequantized``) into ``I4_G{32,64,128}``,
     ``I8`` or ``Q8_0``, with the act-order column order and the zero-point offsets the
-    packed weight carries. The default for such checkpoints; takes no options.
+    packed weight carries. The default for such checkpoints; takes no options. x enters
+    the products in float32, as these checkpoints' own kernels take 16-bit activations
+    (W4A16 / W8A16).
 
     Linear weights that have no exact packed form, and float ones, are computed in
     float32 (the native core's small-batch kernel when installed, else torch)."""
@@ -154,7 +164,7 @@ class PrequantizedQuantizer(GGUFQuantizer):
     def __init__(self, **options) -> None:
         if options:
             raise TypeError(f"quantizer 'prequantized' takes no options, got {sorted(options)}")
-        super().__init__()
+        super().__init__(activations="float32")
 
 
 class FP8Linear(torch.nn.Module):

@@ -35,6 +35,7 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
 TOLERANCE = 1e-4
+EXACT = {"activations": "float32"}
 
 # Layer 0: q/k in Q4_0 and v in Q8_0 (a fused qkv in two types: computed part by part),
 # o in Q4_1, gate/up in Q6_K, down in Q4_K. Layer 1: q/k/v in Q5_0 (one packed qkv), o
@@ -85,14 +86,15 @@ def variant(request, tmp_path_factory, quant_helpers):
 
 @pytest.fixture(scope="module")
 def models(variant, tiny_tokenizer_dir):
-    """(variant name, path, the gguf-quantized LLM, the dequantized fp32 LLM, the log
-    records of loading the gguf one)."""
+    """(variant name, path, the gguf-quantized LLM with exact (float32) activations,
+    the dequantized fp32 LLM, the log records of loading the gguf one)."""
     name, path = variant
     handler = _Records()
     logger = logging.getLogger("pyagent_hf.gguf_format")
     logger.addHandler(handler)
     try:
-        packed = LLM(path, tokenizer=tiny_tokenizer_dir, **ENGINE)  # no quantization named: the default
+        # no quantization named: the default (gguf), with the exact activations
+        packed = LLM(path, tokenizer=tiny_tokenizer_dir, quantization_config=EXACT, **ENGINE)
     finally:
         logger.removeHandler(handler)
     plain = LLM(path, tokenizer=tiny_tokenizer_dir, quantization="none", **ENGINE)
@@ -221,6 +223,37 @@ def test_prompt_logprobs_match_the_dequantized_model(models):
     assert worst <= TOLERANCE
 
 
+def test_default_int16_activations_stay_close_to_the_dequantized_model(models, tiny_tokenizer_dir):
+    """The default rounds x to 16 bits per block of 32 in the layers the build's integer
+    GEMM reads: the same greedy tokens and top-5 as the dequantized model, each logprob
+    within 2e-3 (x moves by at most max|x_b| / 65024 per element; int8 moves it 256
+    times as far). A build without the integer GEMM computes in float32: within
+    TOLERANCE."""
+    _, path, _, plain, _ = models
+    default = LLM(path, tokenizer=tiny_tokenizer_dir, **ENGINE)
+    linears = [m for m in default.engine.core.model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.activations == "int16" for m in linears)
+    want = plain.generate(PROMPTS, GREEDY)
+    got = default.generate(PROMPTS, GREEDY)
+    worst = 0.0
+    for a, b in zip(want, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for token, entry in step_a.items():
+                worst = max(worst, abs(entry.logprob - step_b[token].logprob))
+    print(f"gguf (int16 activations) vs dequantized: largest logprob difference {worst:.2e}")
+    assert worst <= (2e-3 if _core_has_int16_gemm() else TOLERANCE)
+
+
+def _core_has_int16_gemm() -> bool:
+    try:
+        from pyagent_native import _core
+    except ImportError:
+        return False
+    return _core.int8_gemm("Q4_0")
+
+
 def test_int8_activations_option(models, tiny_tokenizer_dir):
     """``{"activations": "int8"}``: the Q4_0/Q4_1 layers round x to int8 per block of 32,
     in decode steps and (where the native build has the integer GEMM) in prefill; each
@@ -229,7 +262,7 @@ def test_int8_activations_option(models, tiny_tokenizer_dir):
     _, path, packed, _, _ = models
     fast = LLM(path, tokenizer=tiny_tokenizer_dir, quantization_config={"activations": "int8"}, **ENGINE)
     linears = [m for m in fast.engine.core.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.int8_activations for m in linears)
+    assert linears and all(m.activations == "int8" for m in linears)
     # prefill: each prompt token's logprob given the text before it, same tokens both ways
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     for a, b in zip(packed.generate(PROMPTS, params), fast.generate(PROMPTS, params), strict=True):

@@ -89,7 +89,7 @@ def test_requantized_file_runs_packed_and_matches_its_dequantized_self(quant_hel
     h = quant_helpers
     path, _ = files[mix]
     want_types, share = MIXES[mix]
-    packed = LLM(str(path), **h.SMOLLM2_ENGINE)
+    packed = LLM(str(path), quantization_config=h.EXACT, **h.SMOLLM2_ENGINE)  # as stored, exact activations
     dequantized = LLM(str(path), quantization="none", **h.SMOLLM2_ENGINE)
     try:
         model = packed.engine.core.model
