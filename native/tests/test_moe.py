@@ -40,7 +40,9 @@ def _operand(encoding: str, n: int, k: int, rng) -> tuple[dict, np.ndarray]:
     return {"data": data, "encoding": encoding, "group": group}, reference_dequantize(data, encoding, k, group)
 
 
-def _experts(layout: str, seed: int = 0):
+def _experts(layout: str, seed: int = 0, activations: str | None = None):
+    """The core's experts (packed operands with ``activations`` when given), their
+    float64 gate/up and down weights, and the hidden size."""
     gate_up_encoding, down_encoding, hidden, inter = LAYOUTS[layout]
     rng = np.random.default_rng(seed)
     described, gate_up, down = [], [], []
@@ -51,6 +53,9 @@ def _experts(layout: str, seed: int = 0):
         else:
             gu, guw = _operand(gate_up_encoding, 2 * inter, hidden, rng)
         d, dw = _operand(down_encoding, hidden, inter, rng)
+        if activations is not None:
+            for operand in gu.get("parts", [gu]) + [d]:
+                operand["activations"] = activations
         described.append({"gate_up": gu, "down": d})
         gate_up.append(torch.from_numpy(np.asarray(guw, np.float64)))
         down.append(torch.from_numpy(np.asarray(dw, np.float64)))
@@ -151,3 +156,22 @@ def test_bad_arguments_are_value_errors():
     assert len(_core.MoeExperts(64, 96, [{"gate_up": gate_up, "down": good}])) == 1
     with pytest.raises(ValueError, match=r"experts\[0\]\.down: .*Q9_9"):
         _core.MoeExperts(64, 96, [{"gate_up": gate_up, "down": {**good, "encoding": "Q9_9"}}])
+
+
+@pytest.mark.parametrize("activations, tolerance", [("int16", 5e-4), ("int8", 5e-2)])
+@pytest.mark.parametrize("layout", ["Q8_0", "Q4_0/Q6_K", "Q4_K", "parts Q4_1+Q8_0"])
+def test_integer_activations_reach_the_experts(layout, activations, tolerance):
+    """Operands with integer activations: within the rounding of x of the torch twin,
+    and (where the build has the integer GEMM) not the float path's bits."""
+    core, gate_up, down, hidden = _experts(layout, activations=activations)
+    plain = _experts(layout)[0]
+    ids, weights = _routing(40, 2, seed=7)
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(8))
+    out, exact = np.empty((40, hidden), np.float32), np.empty((40, hidden), np.float32)
+    core.forward(out, x.numpy(), ids.numpy(), weights.numpy(), 2, "auto")
+    plain.forward(exact, x.numpy(), ids.numpy(), weights.numpy(), 2, "auto")
+    want = grouped_experts_reference(x.double(), ids, weights.double(), gate_up, down).numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(out, want, rtol=0, atol=tolerance * scale)
+    if _core.int8_gemm("Q8_0"):
+        assert not np.array_equal(out, exact)

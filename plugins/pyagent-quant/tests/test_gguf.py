@@ -192,17 +192,22 @@ def test_partly_unpacked_fused_weight_is_logged(variant, tiny_tokenizer_dir, cap
     assert floats == {"model.layers.1.mlp.gate_up_proj.weight"}
 
 
-def test_greedy_outputs_match_the_dequantized_model(models):
-    _, _, packed, plain, _ = models
-    want = plain.generate(PROMPTS, GREEDY)
-    got = packed.generate(PROMPTS, GREEDY)
+def _greedy_difference(want_llm, got_llm) -> float:
+    """The largest difference of the top-5 logprobs of each greedy step; the tokens and
+    each step's top 5 must be equal."""
     worst = 0.0
-    for a, b in zip(want, got, strict=True):
+    for a, b in zip(want_llm.generate(PROMPTS, GREEDY), got_llm.generate(PROMPTS, GREEDY), strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert step_a.keys() == step_b.keys()  # the same top 5
             for token, entry in step_a.items():
                 worst = max(worst, abs(entry.logprob - step_b[token].logprob))
+    return worst
+
+
+def test_greedy_outputs_match_the_dequantized_model(models):
+    _, _, packed, plain, _ = models
+    worst = _greedy_difference(plain, packed)
     print(f"gguf vs dequantized: largest logprob difference {worst:.2e}")
     assert worst <= TOLERANCE
 
@@ -233,15 +238,7 @@ def test_default_int16_activations_stay_close_to_the_dequantized_model(models, t
     default = LLM(path, tokenizer=tiny_tokenizer_dir, **ENGINE)
     linears = [m for m in default.engine.core.model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.activations == "int16" for m in linears)
-    want = plain.generate(PROMPTS, GREEDY)
-    got = default.generate(PROMPTS, GREEDY)
-    worst = 0.0
-    for a, b in zip(want, got, strict=True):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert step_a.keys() == step_b.keys()
-            for token, entry in step_a.items():
-                worst = max(worst, abs(entry.logprob - step_b[token].logprob))
+    worst = _greedy_difference(plain, default)
     print(f"gguf (int16 activations) vs dequantized: largest logprob difference {worst:.2e}")
     assert worst <= (2e-3 if _core_has_int16_gemm() else TOLERANCE)
 
