@@ -118,8 +118,9 @@ struct QuantLinearArgs {
   // - Int16: x is rounded to 16 bits per block of 32 (scale max|x| / 32512, an error
   //   of up to max|x_block| / 65024 per element) and each rounded value q is split
   //   exactly into 255 * hi + lo with hi, lo in [-127, 127]: two int8 rows of x that
-  //   the same integer GEMM multiplies (scales 255 d and d) and sums. Every number of
-  //   rows with the encodings int8_gemm names (AVX-512 build).
+  //   the same integer GEMM multiplies and sums as 255 hi + lo before the scale d.
+  //   The encodings int8_gemm names (AVX-512 build), from one row of x on (Q4_0,
+  //   Q4_1), two (Q8_0) or four (the encodings decoded into tiles first).
   Activations activations = Activations::Float32;
 };
 

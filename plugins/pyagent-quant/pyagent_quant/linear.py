@@ -5,8 +5,9 @@ native core's fused dequantize-GEMV/GEMM, which reads each packed byte once; lar
 inputs (prefill) are compute-bound, so the weight is dequantized a slice of rows at a
 time and multiplied by torch's GEMM. With integer activations (``"int8"`` or
 ``"int16"``) and an encoding the core multiplies in integers (``_core.int8_gemm``),
-inputs of every size go to the core, whose integer GEMM is 2-3x torch's float one. Without the native core both run on the
-torch decoders of :mod:`pyagent_quant.encodings`.
+inputs of every size go to the core, whose integer GEMM beats dequantizing for torch's
+float one (a 512-token SmolLM2 prefill: int8 1.5x, int16 1.1x). Without the native core
+both run on the torch decoders of :mod:`pyagent_quant.encodings`.
 
 A weight with a column order (``PackedWeight.perm``, GPTQ act-order) takes
 ``x[..., perm]``; one with ``offsets`` (zero points the encoding cannot hold exactly)
