@@ -1442,6 +1442,51 @@ void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t M, float* out, i
   }
 }
 
+// One row of x as Int16 (hi and lo int8 rows) against Q4_0 / Q4_1, sixteen weight rows
+// at a time, straight from the gathers: vnni_tile's codes go to vpdpbusd in registers
+// instead of through the tile (for one row of x each code is used once).
+void q4_int16_row(const QuantLinearArgs& a, const Q8Rows& x, int64_t n_begin, int64_t n_end) {
+  const QuantWeight& w = a.w;
+  const bool q4_1 = w.encoding == QuantEncoding::Q4_1;
+  const int64_t bytes = q4_1 ? 20 : 18, codes_at = q4_1 ? 4 : 2;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i index = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(w.row_bytes)));
+  const __m512i zero = _mm512_setzero_si512(), low = _mm512_set1_epi8(0x0f);
+  const int8_t* xh = x.q;
+  const int8_t* xl = x.q + x.K;
+  for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
+    const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
+    prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x.nb; ++b) {
+      const uint8_t* blk = w.data + n * w.row_bytes + b * bytes;
+      __m512i ih = zero, il = zero;
+      for (int j = 0; j < 4; ++j) {
+        // lane r: row r's nibble bytes 4j..4j+3: codes 4j.. (low) and 16 + 4j.. (high)
+        const __m512i g = _mm512_mask_i32gather_epi32(zero, lanes, index, blk + codes_at + 4 * j, 1);
+        const __m512i lo = _mm512_and_si512(g, low), hi = _mm512_and_si512(_mm512_srli_epi16(g, 4), low);
+        int32_t h0, h1, l0, l1;
+        std::memcpy(&h0, xh + 32 * b + 4 * j, 4);
+        std::memcpy(&h1, xh + 32 * b + 16 + 4 * j, 4);
+        std::memcpy(&l0, xl + 32 * b + 4 * j, 4);
+        std::memcpy(&l1, xl + 32 * b + 16 + 4 * j, 4);
+        ih = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih, lo, _mm512_set1_epi32(h0)), hi, _mm512_set1_epi32(h1));
+        il = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il, lo, _mm512_set1_epi32(l0)), hi, _mm512_set1_epi32(l1));
+      }
+      // the block's first four bytes: f16 d, then Q4_1's f16 m
+      const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+      const __m512 off = q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      const __m512i sum = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ih, 8), ih), il);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), acc);
+      acc = _mm512_fmadd_ps(off, _mm512_set1_ps(x.half_sums[2 * b] + x.half_sums[2 * b + 1]), acc);
+    }
+    _mm512_mask_storeu_ps(a.out + n, lanes, acc);
+  }
+}
+
 template <int P>
 void vnni_tiles(const QuantLinearArgs& a, const UnitForm& f, const Q8Rows& x, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
@@ -1480,7 +1525,8 @@ bool vnni_rows(const QuantLinearArgs& a, int64_t n_begin, int64_t n_end) {
   x128.resize(a.M * nb);
   if (!quantize_rows_q8(a.x, a.M, w.K, a.activations, xq.data(), xd.data(), xs.data(), x128.data())) return false;
   const Q8Rows x{xq.data(), xd.data(), xs.data(), x128.data(), w.K, nb};
-  if (P == 2) vnni_tiles<2>(a, f, x, n_begin, n_end);
+  if (P == 2 && a.M == 1 && w.encoding != QuantEncoding::Q8_0) q4_int16_row(a, x, n_begin, n_end);
+  else if (P == 2) vnni_tiles<2>(a, f, x, n_begin, n_end);
   else vnni_tiles<1>(a, f, x, n_begin, n_end);
   return true;
 }

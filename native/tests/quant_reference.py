@@ -200,7 +200,11 @@ def int8_reference(x, data, encoding, activations="int8"):
     # the kernels round d_x times each half's sum before adding the two, so the offset
     # term's rounding scales with both halves (they may cancel)
     offsets_size = np.abs(offset[None]) * np.abs(halves).sum(axis=2)[:, None, :]
-    return (scaled + offsets_term).sum(axis=2), (np.abs(scaled) + offsets_size).sum(axis=2)
+    # and the one-row kernels keep a block's integer sums in eight lanes, each
+    # converted and scaled, added at the end: the scale of their rounding is the sum
+    # of |code * q|, not the block's total
+    scaled_size = np.einsum("mbk,nbk->mnb", np.abs(q).reshape(m, k // 32, 32), np.abs(codes)) * np.abs(d[None]) * dx[:, None, :]
+    return (scaled + offsets_term).sum(axis=2), (scaled_size + offsets_size).sum(axis=2)
 
 
 # Encodings the AVX-512 build's integer GEMM reads (``_core.int8_gemm``).

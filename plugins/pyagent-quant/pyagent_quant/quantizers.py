@@ -103,7 +103,7 @@ class GGUFQuantizer(Quantizer):
       most max|x_b| / 65024 per element; no measurable perplexity cost) and multiplied
       in integers, as two int8 rows, by the AVX-512 VNNI build's integer GEMM for
       ``Q4_0``/``Q4_1``/``Q8_0``/``Q5_0``/``Q5_1``/``IQ4_NL``/``Q4_K``/``Q5_K``/``Q6_K``
-      (1.3-1.5x the float kernels for one row, about 2x for 4-64 rows). Products
+      (about 1.7x the float kernels for one row, 2x for 4-64 rows). Products
       without that kernel (another build or encoding, one row against ``Q8_0``, under
       four rows against the decoded encodings) compute in float32.
     - ``"float32"``: results within float rounding of the dequantized model (the
