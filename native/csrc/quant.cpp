@@ -1241,6 +1241,19 @@ void block_units(QuantEncoding e, const uint8_t* blk, uint8_t* codes, float* s, 
   }
 }
 
+// The scale and offset (w = s * u + o) of block `blk` of sixteen rows of a Q4_0 /
+// Q4_1 / Q8_0 weight, lane r from row r (index: r * row bytes): the block's first four
+// bytes are f16 d, then Q4_1's f16 m; Q4_0's offset is -8 d, Q8_0's (codes offset by
+// 128) is taken in integers.
+inline void gathered_scales(const uint8_t* blk, __m512i index, __mmask16 lanes, QuantEncoding e, __m512& s,
+                            __m512& o) {
+  const __m512i head = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, index, blk, 1);
+  s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+  if (e == QuantEncoding::Q4_1) o = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+  else if (e == QuantEncoding::Q4_0) o = _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+  else o = _mm512_setzero_ps();
+}
+
 // Rows [n, n + rows) of w (rows <= 16; the missing lanes get zero codes and scales).
 // Q4_0 / Q4_1 / Q8_0 gather straight from the weight, a dword per row at a time: lane
 // r of gather j reads row r's code bytes 4j..4j+3 (Q8_0) or nibble bytes 4j..4j+3,
@@ -1276,12 +1289,8 @@ void vnni_tile(const QuantWeight& w, const UnitForm& f, int64_t n, int64_t rows,
           _mm512_storeu_si512(dst + j + 4, _mm512_and_si512(_mm512_srli_epi16(g, 4), low));
         }
       }
-      // the block's first four bytes: f16 d, then Q4_1's f16 m
-      const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-      __m512 off = _mm512_setzero_ps();
-      if (q4_1) off = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
-      else if (!q8) off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      __m512 d, off;
+      gathered_scales(blk, index, lanes, e, d, off);
       _mm512_storeu_ps(t.s.data() + b * 16, d);
       _mm512_storeu_ps(t.o.data() + b * 16, off);
     }
@@ -1422,6 +1431,15 @@ void vnni_block(const VnniTile& t, const Q8Rows& x, int64_t m0, float* out, int6
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo, lanes, acc[i]);
 }
 
+// The last `left` (< R + 1) rows of x from row m: one vnni_block of exactly that many.
+template <int R, int H, bool kQ128, int P>
+void vnni_tail(const VnniTile& t, const Q8Rows& x, int64_t m, int64_t left, float* out, int64_t ldo, __mmask16 lanes) {
+  if constexpr (R > 0) {
+    if (left == R) vnni_block<R, H, kQ128, P>(t, x, m, out, ldo, lanes);
+    else vnni_tail<R - 1, H, kQ128, P>(t, x, m, left, out, ldo, lanes);
+  }
+}
+
 // Every row of x against one tile, MR rows at a time (eight int8 rows with one scale
 // per unit, four with two: the registers hold MR * P * H integer sums, the eight code
 // vectors and MR accumulators).
@@ -1430,16 +1448,7 @@ void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t M, float* out, i
   constexpr int kMr = (H == 2 ? 4 : 8) / P;
   int64_t m = 0;
   for (; m + kMr <= M; m += kMr) vnni_block<kMr, H, kQ128, P>(t, x, m, out, ldo, lanes);
-  switch (M - m) {
-    case 7: vnni_block<7, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 6: vnni_block<6, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 5: vnni_block<5, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 4: vnni_block<4, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 3: vnni_block<3, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 2: vnni_block<2, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    case 1: vnni_block<1, H, kQ128, P>(t, x, m, out, ldo, lanes); break;
-    default: break;
-  }
+  if (m < M) vnni_tail<kMr - 1, H, kQ128, P>(t, x, m, M - m, out, ldo, lanes);
 }
 
 // One row of x as Int16 (hi and lo int8 rows) against Q4_0 / Q4_1, sixteen weight rows
@@ -1474,11 +1483,8 @@ void q4_int16_row(const QuantLinearArgs& a, const Q8Rows& x, int64_t n_begin, in
         ih = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ih, lo, _mm512_set1_epi32(h0)), hi, _mm512_set1_epi32(h1));
         il = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(il, lo, _mm512_set1_epi32(l0)), hi, _mm512_set1_epi32(l1));
       }
-      // the block's first four bytes: f16 d, then Q4_1's f16 m
-      const __m512i head = _mm512_mask_i32gather_epi32(zero, lanes, index, blk, 1);
-      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
-      const __m512 off = q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
-                              : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      __m512 d, off;
+      gathered_scales(blk, index, lanes, w.encoding, d, off);
       const __m512i sum = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(ih, 8), ih), il);
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), acc);
       acc = _mm512_fmadd_ps(off, _mm512_set1_ps(x.half_sums[2 * b] + x.half_sums[2 * b + 1]), acc);
