@@ -1444,11 +1444,20 @@ void vnni_tail(const VnniTile& t, const Q8Rows& x, int64_t m, int64_t left, floa
 // per unit, four with two: the registers hold MR * P * H integer sums, the eight code
 // vectors and MR accumulators).
 template <int H, bool kQ128, int P>
-void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t M, float* out, int64_t ldo, __mmask16 lanes) {
+void vnni_rows_of_x(const VnniTile& t, const Q8Rows& x, int64_t m_begin, int64_t m_end, float* out, int64_t ldo,
+                    __mmask16 lanes) {
   constexpr int kMr = (H == 2 ? 4 : 8) / P;
-  int64_t m = 0;
-  for (; m + kMr <= M; m += kMr) vnni_block<kMr, H, kQ128, P>(t, x, m, out, ldo, lanes);
-  if (m < M) vnni_tail<kMr - 1, H, kQ128, P>(t, x, m, M - m, out, ldo, lanes);
+  int64_t m = m_begin;
+  for (; m + kMr <= m_end; m += kMr) vnni_block<kMr, H, kQ128, P>(t, x, m, out, ldo, lanes);
+  if (m < m_end) vnni_tail<kMr - 1, H, kQ128, P>(t, x, m, m_end - m, out, ldo, lanes);
+}
+
+template <int P>
+void vnni_rows_of_x(const UnitForm& f, const VnniTile& t, const Q8Rows& x, int64_t m_begin, int64_t m_end, float* out,
+                    int64_t ldo, __mmask16 lanes) {
+  if (f.q128) vnni_rows_of_x<1, true, P>(t, x, m_begin, m_end, out, ldo, lanes);
+  else if (f.H == 2) vnni_rows_of_x<2, false, P>(t, x, m_begin, m_end, out, ldo, lanes);
+  else vnni_rows_of_x<1, false, P>(t, x, m_begin, m_end, out, ldo, lanes);
 }
 
 // One row of x as Int16 (hi and lo int8 rows) against Q4_0 / Q4_1, sixteen weight rows
@@ -1493,19 +1502,47 @@ void q4_int16_row(const QuantLinearArgs& a, const Q8Rows& x, int64_t n_begin, in
   }
 }
 
+// Many rows of x (prefill) outgrow the L2 cache, and streaming all of them past each
+// tile in turn reads them from L3 once per 16 output features. Then up to kTileGroupBytes
+// of tiles are built first and x goes past the whole group in chunks of kXChunkBytes,
+// so that both stay in L2 (2 MB per core here): 1.2x on a 2048 x 576 x 1536 int16 GEMM.
+constexpr int64_t kTileGroupBytes = 1 << 20;
+constexpr int64_t kXChunkBytes = 1 << 18;
+
 template <int P>
 void vnni_tiles(const QuantLinearArgs& a, const UnitForm& f, const Q8Rows& x, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
-  static thread_local VnniTile tile;
-  for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
-    const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
-    prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
-    vnni_tile(w, f, n, rows, tile);
-    const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1u);
-    float* out = a.out + n;
-    if (f.q128) vnni_rows_of_x<1, true, P>(tile, x, a.M, out, w.N, lanes);
-    else if (f.H == 2) vnni_rows_of_x<2, false, P>(tile, x, a.M, out, w.N, lanes);
-    else vnni_rows_of_x<1, false, P>(tile, x, a.M, out, w.N, lanes);
+  const int64_t x_row_bytes = P * w.K;
+  if (a.M * x_row_bytes <= kXChunkBytes) {
+    static thread_local VnniTile tile;
+    for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
+      const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
+      prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
+      vnni_tile(w, f, n, rows, tile);
+      vnni_rows_of_x<P>(f, tile, x, 0, a.M, a.out + n, w.N, static_cast<__mmask16>((1u << rows) - 1u));
+    }
+    return;
+  }
+  static thread_local std::vector<VnniTile> group;
+  const int64_t units = w.K / 32;
+  const int64_t tile_bytes = units * (512 + 2 * f.H * 16 * static_cast<int64_t>(sizeof(float)));
+  const int64_t per_group = std::max<int64_t>(1, kTileGroupBytes / tile_bytes);
+  const int64_t chunk = std::max<int64_t>(8, kXChunkBytes / x_row_bytes / 8 * 8);
+  if (static_cast<int64_t>(group.size()) < per_group) group.resize(per_group);
+  for (int64_t g = n_begin; g < n_end; g += per_group * kVnniRows) {
+    const int64_t g_end = std::min(n_end, g + per_group * kVnniRows);
+    for (int64_t n = g; n < g_end; n += kVnniRows) {
+      prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, g_end);
+      vnni_tile(w, f, n, std::min<int64_t>(kVnniRows, g_end - n), group[(n - g) / kVnniRows]);
+    }
+    for (int64_t m = 0; m < a.M; m += chunk) {
+      const int64_t m_end = std::min(a.M, m + chunk);
+      for (int64_t n = g; n < g_end; n += kVnniRows) {
+        const int64_t rows = std::min<int64_t>(kVnniRows, g_end - n);
+        vnni_rows_of_x<P>(f, group[(n - g) / kVnniRows], x, m, m_end, a.out + n, w.N,
+                          static_cast<__mmask16>((1u << rows) - 1u));
+      }
+    }
   }
 }
 

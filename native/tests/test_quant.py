@@ -345,7 +345,12 @@ def test_integer_activations_match_the_float64_twin_of_the_same_rounding(
         _core.quantized_linear(plain, x, data, encoding, 0, b, threads, isa)
         assert np.array_equal(out.view(np.uint32), plain.view(np.uint32))
         return
-    units = k // 32
+    _assert_twins_agree(out, x, data, encoding, activations, b, f"{encoding} {isa} {activations} M={m}")
+
+
+def _assert_twins_agree(out, x, data, encoding, activations, b, case):
+    """out against the float64 twins of the integer arithmetic (see above)."""
+    units = x.shape[1] // 32
     twins = [int8_gemm_reference(x, data, encoding, activations)]
     if encoding in ("Q4_0", "Q4_1", "Q8_0"):
         twins.append(int8_reference(x, data, encoding, activations))
@@ -355,7 +360,27 @@ def test_integer_activations_match_the_float64_twin_of_the_same_rounding(
         err = np.abs(out - want)
         tol = (units + 10) * 2.0**-23 * magnitude + 1e-30
         worst = np.unravel_index(np.argmax(err - tol), err.shape)
-        assert np.all(err <= tol), f"{encoding} {isa} {activations} M={m}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+        assert np.all(err <= tol), f"{case}: error {err[worst]:.3g} > {tol[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("activations", ["int8", "int16"])
+@pytest.mark.parametrize("encoding", ["Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_of_x_go_through_in_chunks(activations, encoding, threads):
+    """Prefill-sized x (over 256 KiB as int8 rows) goes past groups of prebuilt tiles
+    (1 MiB each) in chunks of rows: 300 rows of 1,024 features make two chunks in int8
+    and three in int16, and 850 output features two groups of tiles on one thread,
+    the second ending in a partial tile. The result is the twins' as for a few rows."""
+    if "avx512" not in ISAS:
+        pytest.skip("the integer GEMM is the AVX-512 build's (this machine has no AVX-512 VNNI)")
+    rng = np.random.default_rng(23)
+    m, n, k = 300, 850, 1024
+    data = random_weight(encoding, n, k, 0, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    _core.quantized_linear(out, x, data, encoding, 0, b, threads, "avx512", activations)
+    _assert_twins_agree(out, x, data, encoding, activations, b, f"{encoding} {activations} {threads} threads")
 
 
 @pytest.mark.parametrize("activations", ["int8", "int16"])
