@@ -4,6 +4,7 @@ prefill of the embedded SmolLM2 (Q4_1 GGUF) achieve.
 
     .venv/bin/python benchmarks/limits.py
     .venv/bin/python benchmarks/limits.py --skip-engine   # the machine's limits only
+    .venv/bin/python benchmarks/limits.py --part context  # the KV cache in a decode step
 
 The limits, with torch's thread count (2 here):
 
@@ -29,6 +30,14 @@ against the int8 peak) and int8 activations:
 
 FLOPs per token are 2 x the linears' and head's multiply-adds (attention and the rest
 left out: under 2% at these lengths).
+
+The ``context`` part: what attention's reading of the KV cache costs a batched decode
+step. 32 sequences decode 128 tokens after prompts of 16 and of 256 random tokens (the
+default int16 activations); a pure-decode step's time is ``generate``'s time for 129
+tokens less its time for 1 (the prefill), over 128 steps (best of 2 rounds). The
+longer prompts add 32 x 240 tokens of context per step, whose keys and values every
+step reads: those bytes over the added time are the rate attention reads the cache at,
+set against the read bandwidth.
 """
 
 from __future__ import annotations
@@ -185,10 +194,62 @@ def weight_facts(model: str | None) -> tuple[int, int]:
     return total_bytes, macs
 
 
+def kv_bytes_per_token(model: str | None) -> int:
+    """Bytes of keys and values one token holds in the engine's cache (every layer)."""
+    from pyagent_framework import LLM
+
+    llm = LLM(model, engine_process=False, kv_cache_memory="16MiB", max_model_len=256)
+    core = llm.engine.core
+    per_token = core.kv_cache.nbytes // (core.kv_cache.shape[2] * core.config.block_size)
+    llm.close()
+    return per_token
+
+
+def decode_step_ms(model: str | None, batch: int, prompt_tokens: int, rounds: int = 2) -> float:
+    """ms per pure-decode step of `batch` sequences after prompts of `prompt_tokens`
+    random tokens (see the module docstring)."""
+    import random
+
+    from pyagent_framework import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=batch)
+    rng = random.Random(prompt_tokens)
+    vocab = llm.engine.vocab_size
+
+    def run(max_tokens: int) -> float:
+        prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(batch)]
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return time.perf_counter() - start
+
+    run(4)  # warm-up
+    times = {1: [], 129: []}
+    for _ in range(rounds):
+        for max_tokens in times:
+            times[max_tokens].append(run(max_tokens))
+    llm.close()
+    return 1e3 * (min(times[129]) - min(times[1])) / 128
+
+
+def context_part(model: str | None, read: float) -> None:
+    per_token = kv_bytes_per_token(model)
+    short, long = decode_step_ms(model, 32, 16), decode_step_ms(model, 32, 256)
+    added = 32 * (256 - 16) * per_token
+    rate = added / ((long - short) / 1e3)
+    at_long = 32 * (256 + 64.5) * per_token  # mean context over the 128 steps
+    print(f"\n32 concurrent decode steps (int16 activations), KV cache {per_token} bytes per token:")
+    print(f"  after 16-token prompts   {short:6.1f} ms/step")
+    print(f"  after 256-token prompts  {long:6.1f} ms/step: {at_long / 1e6:.0f} MB of keys and values read per step")
+    print(f"  the added context's {added / 1e6:.0f} MB in {long - short:.1f} ms: {rate / 1e9:.1f} GB/s, "
+          f"{rate / 1e9 / read:.0%} of the read bandwidth")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1 GGUF)")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--part", choices=["all", "work", "context"], default="all",
+                        help="the engine's work against the limits, the KV cache's cost in a decode step, or both")
     args = parser.parse_args()
 
     import torch
@@ -204,6 +265,10 @@ def main() -> None:
     print(f"  int8 peak (vpdpbusd microkernel)          {dp:7.1f} GOP/s" if dp else "  int8 peak: no AVX-512 VNNI")
     print(f"  torch float32 GEMM 2048^3 (MKL)           {gemm:7.1f} GFLOP/s ({gemm / fma:.0%} of the peak)")
     if args.skip_engine:
+        return
+    if args.part in ("all", "context"):
+        context_part(args.model, read)
+    if args.part == "context":
         return
 
     from decode import ours_batch, ours_prefill, ours_single, prefill_prompts, prompt_ids
