@@ -17,6 +17,8 @@
   context lengths: the built-in ``torch`` backend vs the ``native`` backend.
 - isas: every build of the kernels this CPU runs (portable, AVX2, AVX-512) on the same
   float and quantized GEMMs (1, 8 and 32 rows), in the same run.
+- int8: the AVX-512 build's integer GEMM (``--activations int16``, the default, or
+  ``int8``) against the float path, per encoding, from 4 to 2,048 rows of x.
 
 Each figure is the best of several repetitions (the machine is shared and noisy).
 """
@@ -226,11 +228,11 @@ def bench_isas(repeat: int, threads: int) -> None:
             print(f"  {encoding:<7} {n:>4}x{k:<4} rows {rows:>2}: {cells}   {simd / times[-1]:4.2f}x")
 
 
-def bench_int8(repeat: int, threads: int) -> None:
-    """The integer GEMM (int8 activations) against the float path on the same weights,
-    per encoding, at the row counts of batched decode (4-64) and of a 512-token prefill,
-    where the float path is dequantize + torch's GEMM (what PackedLinear does past 64
-    rows without int8 activations)."""
+def bench_int8(repeat: int, threads: int, activations: str) -> None:
+    """The integer GEMM (int16 or int8 activations) against the float path on the same
+    weights, per encoding, at the row counts of batched decode (4-64) and of 512- and
+    2,048-token prefills, where the float path is dequantize + torch's GEMM (what
+    PackedLinear does past 64 rows with float32 activations)."""
     import numpy as np
 
     from native.tests.quant_reference import INT8_GEMM, random_weight
@@ -238,7 +240,8 @@ def bench_int8(repeat: int, threads: int) -> None:
 
     rng = np.random.default_rng(0)
     n, k = 3072, 1024
-    print(f"int8 activations (threads={threads}): GOP/s of {n}x{k} products, float path / integer GEMM = speed-up")
+    print(f"{activations} activations (threads={threads}): GOP/s of {n}x{k} products (2 per multiply-add), "
+          "float path / integer GEMM = speed-up")
     for encoding in INT8_GEMM:
         if not _core.int8_gemm(encoding):
             print(f"  {encoding}: no integer GEMM in this build")
@@ -246,7 +249,7 @@ def bench_int8(repeat: int, threads: int) -> None:
         weight = random_weight(encoding, n, k, 0, rng)
         dense = torch.empty(n, k)
         cells = []
-        for rows in (4, 16, 32, 64, 512):
+        for rows in (4, 16, 32, 64, 512, 2048):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             out = np.empty((rows, n), np.float32)
             if rows <= 64:
@@ -260,7 +263,7 @@ def bench_int8(repeat: int, threads: int) -> None:
                     F.linear(xt, dense)
 
             def integer():
-                _core.quantized_linear(out, x, weight, encoding, 0, None, threads, "auto", True)
+                _core.quantized_linear(out, x, weight, encoding, 0, None, threads, "auto", activations)
 
             flops = 2 * rows * n * k / 1e6  # per ms = GFLOP/s
             a, b = best_ms(plain, repeat), best_ms(integer, repeat)
@@ -276,6 +279,8 @@ def main() -> None:
         "--only", choices=["linear", "quantized", "attention", "isas", "int8"], action="append",
         help="run only these sections"
     )
+    parser.add_argument("--activations", choices=["int16", "int8"], default="int16",
+                        help="the int8 section's rounding of x (default: the gguf quantizer's int16)")
     args = parser.parse_args()
     from pyagent_native import _core
 
@@ -293,7 +298,7 @@ def main() -> None:
     if "isas" in sections:
         bench_isas(args.repeat, torch.get_num_threads())
     if "int8" in sections:
-        bench_int8(args.repeat, torch.get_num_threads())
+        bench_int8(args.repeat, torch.get_num_threads(), args.activations)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def core_spy(monkeypatch):
         return real.quantized_linear(out, x, *args)
 
     spy = types.SimpleNamespace(quantized_linear=quantized_linear, dequantize=real.dequantize)
+    if hasattr(real, "int8_gemm"):
+        spy.int8_gemm = real.int8_gemm
     monkeypatch.setattr(linear, "_core", spy)
     return calls
 
@@ -104,6 +106,27 @@ def test_packed_linear_matches_dequantized_product(quant_helpers, core_spy, enco
         assert_within(out, x, weight, bias)
     if native:
         assert core_spy == list(range(1, module.max_rows + 1))  # the fused kernel up to max_rows, not past
+
+
+@pytest.mark.skipif(linear._core is None or not linear._core.int8_gemm("Q6_K"), reason="no integer GEMM in this build")
+@pytest.mark.parametrize(
+    "encoding, activations, past_max_rows_in_core",
+    [("Q4_1", "int16", True), ("Q4_1", "int8", True), ("Q6_K", "int8", True), ("Q6_K", "int16", False)],
+)
+def test_integer_activations_keep_prefill_in_the_core_where_it_wins(
+    quant_helpers, core_spy, encoding, activations, past_max_rows_in_core
+):
+    """Prefill-sized inputs go to the integer GEMM, except Q6_K in int16, where
+    dequantize + float GEMM is faster: those rows are then exact up to float32."""
+    packed = quant_helpers.packed_weight(encoding, OUT_FEATURES, 256, seed=3)
+    module = PackedLinear(packed, None, native=True, activations=activations)
+    x = torch.randn(module.max_rows + 16, 256, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        decode, prefill = module(x[: module.max_rows]), module(x)
+    assert decode.shape == (module.max_rows, OUT_FEATURES) and prefill.shape == (len(x), OUT_FEATURES)
+    assert core_spy == ([module.max_rows, len(x)] if past_max_rows_in_core else [module.max_rows])
+    if not past_max_rows_in_core:
+        assert_within(prefill, x, encodings.dequantize(packed), None)
 
 
 @pytest.mark.parametrize("native", NATIVE)
