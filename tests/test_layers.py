@@ -67,6 +67,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pyagent_framework.messages",
             "pyagent_framework.sizes",
             "pyagent_framework.paged_attention",
+            "pyagent_framework.parallel",
         ),
     ),
 )
@@ -88,6 +89,7 @@ PUBLIC_MODULES = (
     "pyagent_framework.errors",
     "pyagent_framework.sizes",
     "pyagent_framework.paged_attention",
+    "pyagent_framework.parallel",
     "pyagent_framework.testing",
 )
 

@@ -127,6 +127,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     slides), ``tie_word_embeddings`` (default True), defaults of Gemma2Config.
     ``use_bidirectional_attention`` is not supported."""
 
+    #: Its layers or weights differ from Llama's; not split across ranks yet.
+    tensor_parallel: ClassVar[bool] = False
+
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=256000,
         hidden_size=2304,

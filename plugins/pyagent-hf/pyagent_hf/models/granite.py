@@ -40,6 +40,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     The backend's fused decode step (Llama's layer math) is not used.
     """
 
+    #: Its layers or weights differ from Llama's; not split across ranks yet.
+    tensor_parallel: ClassVar[bool] = False
+
     spec: ClassVar[DecoderSpec] = DecoderSpec()
     use_fused_decode = False  # the fused stack knows neither multiplier nor logits scaling
 

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pyagent_framework import parallel
+from pyagent_framework.errors import ConfigError
 from pyagent_framework.interfaces import LayerOps, ModelArchitecture, PackedParts, PackedWeight, layer_ops
 from pyagent_framework.types import ForwardContext
 
@@ -97,6 +99,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+        # Under tensor parallelism the heads are this rank's and o_proj is row-parallel:
+        # the ranks' outputs are summed after it.
+        self.parallel = parallel.current()
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.ops = ops = layer_ops(attention_backend)
@@ -136,7 +141,7 @@ class Attention(nn.Module):
         q, k = self._rotated_qk(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, context.metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
     def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[tokens, heads, head_dim]`` and k ``[tokens, kv heads, head_dim]`` from the
@@ -161,9 +166,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.ops = ops or LayerOps()
+        self.parallel = parallel.current()  # down_proj is row-parallel under tensor parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -233,6 +239,10 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     attention_cls: ClassVar[type[Attention]] = Attention
     #: Whether the attention rotates only part of each head (``partial_rotary_factor``).
     partial_rotary: ClassVar[bool] = False
+    #: Whether the architecture can be built as one rank of a tensor-parallel group
+    #: (see :mod:`pyagent_framework.parallel`); a variant whose layers or weights differ
+    #: from Llama's says False until it is sharded too.
+    tensor_parallel: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any], attention_backend: type) -> None:
         super().__init__()
@@ -263,6 +273,17 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             )
         self._check_activation(self.config)
         self.layer_windows = self._layer_windows(self.config)
+        # This rank's heads, intermediate features and vocabulary (all of them at size 1).
+        self.parallel = tp = parallel.current()
+        if tp.size > 1 and not self.tensor_parallel:
+            raise ConfigError(
+                f"{type(self).__name__} cannot be split across ranks yet (tensor_parallel_size {tp.size}); "
+                "run it with tensor_parallel_size 1",
+                field="tensor_parallel_size",
+            )
+        self.shard = tp.heads(self.num_heads, self.num_kv_heads)
+        self.intermediate_range = tp.split(self.intermediate_size, "intermediate_size")
+        self.vocab_range = tp.vocab_range(self.vocab_size)
 
         attention_bias = bool(value("attention_bias", spec.attention_bias))
         qkv_bias = spec.qkv_bias_always or (spec.qkv_bias_from_config and attention_bias)
@@ -275,7 +296,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         layers = [
             self._make_layer(
                 self.attention_cls(
-                    self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, attention_backend,
+                    self.hidden_size, self.shard.num_heads, self.shard.num_kv_heads, self.head_dim, attention_backend,
                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=spec.qk_norm, rms_norm_eps=self.rms_norm_eps,
                     sliding_window=window, scale=self._attention_scale(), logit_softcap=self._attention_softcap(),
                 ),
@@ -283,12 +304,13 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             )
             for index, window in enumerate(self.layer_windows)
         ]
+        local_vocab = self.vocab_range[1] - self.vocab_range[0]
         self.model = DecoderModel(
-            nn.Embedding(self.vocab_size, self.hidden_size),
+            nn.Embedding(local_vocab, self.hidden_size),
             layers,
             RMSNorm(self.hidden_size, self.rms_norm_eps, layer_ops(attention_backend)),
         )
-        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = nn.Linear(self.hidden_size, local_vocab, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)  # inference only
@@ -318,7 +340,8 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
 
     def _make_mlp(self, index: int, bias: bool, ops: LayerOps) -> nn.Module:
         """Layer ``index``'s feed-forward block (``mlp(h) -> h``); Llama's is :class:`MLP`."""
-        return MLP(self.hidden_size, self.intermediate_size, bias, ops)
+        start, stop = self.intermediate_range
+        return MLP(self.hidden_size, stop - start, bias, ops)
 
     def _make_layer(self, attention: Attention, mlp: MLP) -> nn.Module:
         """One decoder layer around ``attention`` and ``mlp``, with
@@ -327,8 +350,15 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         return DecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The input embeddings of ``input_ids`` (the residual stream's start)."""
-        return self.model.embed_tokens(input_ids)
+        """The input embeddings of ``input_ids`` (the residual stream's start). Under
+        tensor parallelism each rank holds a range of the vocabulary: it looks up the
+        ids in its range, zeros for the rest, and the ranks' rows are summed."""
+        if self.parallel.size == 1:
+            return self.model.embed_tokens(input_ids)
+        start, stop = self.vocab_range
+        mine = (input_ids >= start) & (input_ids < stop)
+        rows = self.model.embed_tokens(torch.where(mine, input_ids - start, 0))
+        return self.parallel.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def _window_layers(self, config: Mapping[str, Any]) -> list[bool]:
         """Which layers use the sliding window when the config has no ``layer_types``."""
@@ -354,7 +384,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
     # ------------------------------------------------------------------ engine API
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_blocks, block_size, self.shard.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         x = self._embed(input_ids)
@@ -375,7 +405,7 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         pure-decode batch through every layer at once (the native core's does) and
         returns False for any batch it does not take. None when there is none, or when
         ``use_fused_decode`` is off (this forward is then the only path)."""
-        if not self.use_fused_decode:
+        if not self.use_fused_decode or self.parallel.size > 1:  # a fused step has no all-reduce
             return None
         if self._fused is None:
             self._fused = False
@@ -418,28 +448,74 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         return torch.repeat_interleave(md.seq_lens.to(torch.int64), query_lens).to(positions.device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states).float()
+        if self.parallel.size == 1:
+            return logits
+        # Each rank's range of the vocabulary, padded to the same width, side by side.
+        share = -(-self.vocab_size // self.parallel.size)
+        if logits.shape[-1] < share:
+            logits = torch.nn.functional.pad(logits, (0, share - logits.shape[-1]))
+        return self.parallel.all_gather(logits)[..., : self.vocab_size]
 
     # ------------------------------------------------------------------ weights
 
-    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Checkpoint name -> (our tensor, row offset, rows) for every loadable tensor."""
-        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inter = self.intermediate_size
-        packed = {
-            "qkv_proj": (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)),
-            "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, inter)),
+    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
+        """Checkpoint name -> (our tensor, row offset, rows, take) for every loadable
+        tensor. ``take`` is this rank's part of the checkpoint tensor under tensor
+        parallelism (see :meth:`_take`): None (all of it), ``(dim, start, stop,
+        full)`` (a slice of a dimension the checkpoint holds ``full`` of), or "first"
+        (all of it on rank 0, zeros elsewhere: the bias of a row-parallel linear, added
+        once by the sum)."""
+        targets: dict[str, tuple[torch.Tensor, int, int, Any]] = {}
+        shard, d = self.shard, self.head_dim
+        q, kv = shard.num_heads * d, shard.num_kv_heads * d
+        i0, i1 = self.intermediate_range
+        inter = i1 - i0
+        heads = (shard.q_start * d, shard.q_start * d + q, self.num_heads * d)
+        kv_heads = (shard.kv_start * d, shard.kv_start * d + kv, self.num_kv_heads * d)
+        inter_range = (i0, i1, self.intermediate_size)
+        vocab = (*self.vocab_range, self.vocab_size)
+        fused = {
+            "qkv_proj": (("q_proj", 0, q, heads), ("k_proj", q, kv, kv_heads), ("v_proj", q + kv, kv, kv_heads)),
+            "gate_up_proj": (("gate_proj", 0, inter, inter_range), ("up_proj", inter, inter, inter_range)),
         }
+        row_parallel = {"o_proj": heads, "down_proj": inter_range}
+        split = self.parallel.size > 1
         for name, param in self.named_parameters():  # shared (tied) tensors appear once
             module, _, kind = name.rpartition(".")
             parent, _, leaf = module.rpartition(".")
-            if leaf in packed:
-                for shard, offset, rows in packed[leaf]:
-                    targets[f"{parent}.{shard}.{kind}"] = (param, offset, rows)
-            else:
-                targets[name] = (param, 0, param.shape[0])
+            if leaf in fused:
+                for part, offset, rows, (start, stop, full) in fused[leaf]:
+                    targets[f"{parent}.{part}.{kind}"] = (param, offset, rows, (0, start, stop, full) if split else None)
+                continue
+            take = None
+            if split and leaf in row_parallel:
+                take = (1, *row_parallel[leaf]) if kind == "weight" else "first"
+            elif split and leaf in ("embed_tokens", "lm_head"):
+                take = (0, *vocab)
+            targets[name] = (param, 0, param.shape[0], take)
         return targets
+
+    def _take(self, tensor: torch.Tensor | PackedWeight, take: Any, name: str) -> torch.Tensor | PackedWeight:
+        """This rank's part of checkpoint tensor ``name`` (``take``: see
+        :meth:`_param_targets`). A packed weight splits along its rows as bytes; along
+        its columns it is dequantized first."""
+        if take is None:
+            return tensor
+        if take == "first":
+            if self.parallel.rank == 0:
+                return tensor
+            values = tensor.dequantize() if isinstance(tensor, PackedWeight) else tensor
+            return torch.zeros_like(values)
+        dim, start, stop, full = take
+        if tensor.shape[dim] != full:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {full} along dimension {dim}")
+        if isinstance(tensor, PackedWeight):
+            if dim == 0:
+                return tensor.rows(start, stop)
+            logger.info("%s: split along its input features, computed from dequantized floats", name)
+            tensor = tensor.dequantize()
+        return tensor.narrow(dim, start, stop - start)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> set[str]:
         """Copy checkpoint tensors into the model (see the class docstring).
@@ -462,7 +538,8 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             target = targets.get(name)
             if target is None:
                 raise ValueError(f"{type(self).__name__}: unexpected weight {name!r}")
-            param, offset, rows = target
+            param, offset, rows, take = target
+            tensor = self._take(tensor, take, name)
             expected = (rows, *param.shape[1:])
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")

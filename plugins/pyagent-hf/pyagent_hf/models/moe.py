@@ -166,6 +166,9 @@ class _MoEMixin:
     ``norm_topk_prob``, ``moe_intermediate_size`` and ``_attention_backend`` before
     ``super().__init__`` (which builds the layers)."""
 
+    #: Its layers or weights differ from Llama's; not split across ranks yet.
+    tensor_parallel: ClassVar[bool] = False
+
     num_experts: int
     top_k: int
     norm_topk_prob: bool
@@ -187,7 +190,7 @@ class _MoEMixin:
         experts = [MLP(self.hidden_size, self.moe_intermediate_size, False, ops) for _ in range(self.num_experts)]
         return SparseMoeBlock(router, experts, self._attention_backend)
 
-    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
         targets = super()._param_targets()
         # Llama's targets split every gate_up_proj at intermediate_size; an expert's
         # (Qwen3-MoE's moe_intermediate_size) may differ.
@@ -196,8 +199,8 @@ class _MoEMixin:
             if isinstance(module, SparseMoeBlock):
                 for e, expert in enumerate(module.experts):
                     fused = expert.gate_up_proj.weight
-                    targets[f"{name}.experts.{e}.gate_proj.weight"] = (fused, 0, inter)
-                    targets[f"{name}.experts.{e}.up_proj.weight"] = (fused, inter, inter)
+                    targets[f"{name}.experts.{e}.gate_proj.weight"] = (fused, 0, inter, None)
+                    targets[f"{name}.experts.{e}.up_proj.weight"] = (fused, inter, inter, None)
         return targets
 
     def _canonical(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -59,6 +59,9 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     Olmo2Config (``rms_norm_eps`` 1e-5). The backend's fused decode step (Llama's
     pre-norm layer) is not used."""
 
+    #: Its layers or weights differ from Llama's; not split across ranks yet.
+    tensor_parallel: ClassVar[bool] = False
+
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=50304,
         rms_norm_eps=1e-5,

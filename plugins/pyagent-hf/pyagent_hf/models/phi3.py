@@ -61,6 +61,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     used (``use_fused_decode`` off for the instance) when ``partial_rotary_factor`` < 1.
     """
 
+    #: Its layers or weights differ from Llama's; not split across ranks yet.
+    tensor_parallel: ClassVar[bool] = False
+
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=32064,
         hidden_size=3072,
@@ -110,12 +113,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         window = config.get("sliding_window")
         return None if window is None else int(window)
 
-    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
         # Llama's targets name the fused linears' parts; Phi-3 checkpoints hold the
         # fused tensors themselves, which fill the whole parameter.
         targets = super()._param_targets()
         for name, param in self.named_parameters():
             module = name.rpartition(".")[0]
             if module.endswith((".qkv_proj", ".gate_up_proj")):
-                targets[name] = (param, 0, param.shape[0])
+                targets[name] = (param, 0, param.shape[0], None)
         return targets

@@ -1,0 +1,181 @@
+"""Tensor parallelism in the model: each rank's slice of the heads, the intermediate
+features and the vocabulary (``pyagent_framework.parallel``), built by the Llama family
+and joined by gloo all-reduces and all-gathers, gives the unsplit model's logits.
+
+The parity test runs real ``torch.distributed`` process groups: two or four spawned
+processes over gloo (a file store in the test's directory), each building its rank of
+a tiny checkpoint and running a prefill and greedy decode steps through the paged
+torch attention; rank 0 writes its logits as a plain ``.npy`` array (never a pickle),
+which the test compares with the model built whole in the test's own process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyagent_framework import parallel
+from pyagent_framework.errors import ConfigError
+from pyagent_framework.parallel import HeadShard, TensorParallel
+from tests.tiny_models import ARCHS, tiny_checkpoint
+
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12, 3]
+DECODE_STEPS = 4
+BLOCK = 16
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+def test_heads_split_whole_and_replicate_key_value_heads_when_fewer_than_ranks():
+    # SmolLM2's 9 heads and 3 key/value heads over 3 ranks: one group each
+    assert [TensorParallel(r, 3).heads(9, 3) for r in range(3)] == [
+        HeadShard(3, 1, 0, 0), HeadShard(3, 1, 3, 1), HeadShard(3, 1, 6, 2)
+    ]
+    # 8 heads, 2 key/value heads over 4 ranks: ranks 0-1 read key/value head 0, 2-3 head 1
+    assert [TensorParallel(r, 4).heads(8, 2) for r in range(4)] == [
+        HeadShard(2, 1, 0, 0), HeadShard(2, 1, 2, 0), HeadShard(2, 1, 4, 1), HeadShard(2, 1, 6, 1)
+    ]
+    assert TensorParallel(1, 2).heads(8, 8) == HeadShard(4, 4, 4, 4)
+    assert TensorParallel().heads(9, 3) == HeadShard(9, 3, 0, 0)
+
+
+@pytest.mark.parametrize("size, heads, kv_heads", [(2, 9, 3), (4, 12, 6), (3, 6, 2)])
+def test_a_size_that_does_not_split_the_heads_is_a_config_error_naming_them(size, heads, kv_heads):
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size {size} .* {heads} attention heads .* {kv_heads} key/value") as info:
+        TensorParallel(0, size).heads(heads, kv_heads)
+    assert info.value.field == "tensor_parallel_size"
+
+
+def test_even_splits_and_the_vocabulary_range():
+    assert [TensorParallel(r, 3).split(96, "intermediate_size") for r in range(3)] == [(0, 32), (32, 64), (64, 96)]
+    with pytest.raises(ConfigError, match=r"does not divide the model's intermediate_size \(100\)"):
+        TensorParallel(0, 3).split(100, "intermediate_size")
+    assert [TensorParallel(r, 3).vocab_range(320) for r in range(3)] == [(0, 107), (107, 214), (214, 320)]
+    assert [TensorParallel(r, 4).vocab_range(5) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
+        TensorParallel(2, 2)
+
+
+def test_collectives_are_no_ops_at_size_one_and_current_is_set_while_building():
+    x = torch.arange(4.0)
+    assert TensorParallel().all_reduce(x) is x and TensorParallel().all_gather(x) is x
+    assert parallel.current() == TensorParallel()
+    with parallel.building(TensorParallel(1, 2)) as place:
+        assert parallel.current() is place
+    assert parallel.current() == TensorParallel()
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def _build(path: str):
+    from pyagent_framework.engine import loader
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    fmt = loader.choose_weight_format(path, None)
+    return loader.build_model(path, config, weight_format=fmt, attention_backend="torch", quantization="none", dtype="float32")
+
+
+def _metadata(positions: list[int]):
+    """One sequence's step over `positions` (blocks 0, 1, ... in order)."""
+    from pyagent_framework.types import AttentionMetadata
+
+    length = positions[-1] + 1
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(positions, dtype=torch.long),
+        query_start_loc=torch.tensor([0, len(positions)], dtype=torch.int32),
+        seq_lens=torch.tensor([length], dtype=torch.int32),
+        block_tables=torch.arange(4, dtype=torch.int32).unsqueeze(0),
+        block_size=BLOCK,
+        max_query_len=len(positions),
+        max_seq_len=length,
+    )
+
+
+@torch.inference_mode()
+def _greedy_logits(model) -> np.ndarray:
+    """Logits of the prompt's positions and of DECODE_STEPS greedy decode steps."""
+    from pyagent_framework.types import ForwardContext
+
+    caches = list(torch.zeros(model.kv_cache_shape(4, BLOCK)).unbind(0))
+    tokens, rows = list(PROMPT), []
+    positions = list(range(len(PROMPT)))
+    for _ in range(DECODE_STEPS + 1):
+        ids = torch.tensor([tokens[p] for p in positions])
+        hidden = model(ids, torch.tensor(positions), ForwardContext(metadata=_metadata(positions), kv_caches=caches))
+        logits = model.compute_logits(hidden)
+        rows.append(logits)
+        tokens.append(int(logits[-1].argmax()))
+        positions = [len(tokens) - 1]
+    return torch.cat(rows).numpy()
+
+
+def _rank(rank: int, size: int, path: str, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        with parallel.building(TensorParallel(rank, size)):
+            model = _build(path)
+        assert model.kv_cache_shape(1, BLOCK)[4] == max(1, 2 // size)  # this rank's key/value heads
+        logits = _greedy_logits(model)
+        if rank == 0:
+            np.save(out, logits)
+    finally:
+        dist.destroy_process_group()
+
+
+def _biased_llama(directory: Path) -> str:
+    """A tiny Llama with biases on every projection (``attention_bias``, ``mlp_bias``),
+    random so that o_proj's and down_proj's count: they must be added once."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_models import COMMON, save_tokenizer
+
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases"])
+def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
+    """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
+    share them in pairs; the vocabulary (320) and intermediate size (96) split too.
+    Qwen2/Qwen3 tie the head to the embedding, Llama/Mistral do not; the biased Llama
+    has q/k/v biases split with their rows and o/down biases added by rank 0 alone."""
+    import torch.multiprocessing as mp
+
+    if arch == "llama-with-biases":
+        path = _biased_llama(tmp_path / "model")
+    else:
+        path = tiny_checkpoint(arch, tmp_path.parent / "tiny-checkpoints")
+    want = _greedy_logits(_build(path))
+    out = tmp_path / "rank0.npy"
+    mp.spawn(_rank, args=(size, path, str(tmp_path / "store"), str(out)), nprocs=size, join=True)
+    got = np.load(out, allow_pickle=False)
+    assert got.shape == want.shape == (len(PROMPT) + DECODE_STEPS, 320)
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_architectures_not_split_yet_say_so(tmp_path):
+    from pyagent_hf.models.phi3 import Phi3ForCausalLM
+
+    from pyagent_framework.paged_attention import TorchAttention
+
+    config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 320}
+    with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="Phi3ForCausalLM cannot be split"):
+        Phi3ForCausalLM(config, TorchAttention)
