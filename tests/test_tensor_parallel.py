@@ -179,3 +179,71 @@ def test_architectures_not_split_yet_say_so(tmp_path):
               "num_key_value_heads": 2, "vocab_size": 320}
     with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="Phi3ForCausalLM cannot be split"):
         Phi3ForCausalLM(config, TorchAttention)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def _engine_outputs(path: str, **options):
+    from pyagent_framework import LLM, SamplingParams
+
+    from tests.tiny_models import engine_greedy, parity_prompts
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    llm = LLM(path, kv_cache_memory="8MiB", max_num_batched_tokens=32, **options)
+    try:
+        prompts = parity_prompts(1)
+        outputs = llm.generate(prompts, params)
+        prompt_logprobs = [[next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]] for out in outputs]
+        return engine_greedy(llm, prompts, params), prompt_logprobs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "core-process"])
+def test_the_engine_on_two_ranks_decodes_as_on_one(tmp_path, engine_process):
+    """``tensor_parallel_size=2`` (rank 0 in the engine core, rank 1 a worker process
+    it starts): chunked prefill (32-token budget), shared prefixes from the prefix
+    cache, prompt logprobs and greedy decoding give the one-rank engine's tokens, with
+    logprobs within 1e-4."""
+    from tests.tiny_models import assert_same_greedy
+
+    path = tiny_checkpoint("qwen2", tmp_path.parent / "tiny-checkpoints")
+    want, want_prompt = _engine_outputs(path, engine_process=engine_process)
+    got, got_prompt = _engine_outputs(path, engine_process=engine_process, tensor_parallel_size=2)
+    assert_same_greedy(got, want, 1e-4)
+    for row, want_row in zip(got_prompt, want_prompt, strict=True):
+        assert row == pytest.approx(want_row, abs=1e-4)
+
+
+def test_a_size_the_heads_refuse_names_them_before_any_worker_starts(tmp_path):
+    from pyagent_framework import LLM
+
+    path = tiny_checkpoint("llama", tmp_path.parent / "tiny-checkpoints")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 3 must divide the model's 4 attention heads") as info:
+        LLM(path, kv_cache_memory="8MiB", engine_process=False, tensor_parallel_size=3)
+    assert info.value.field == "tensor_parallel_size"
+
+
+def test_a_worker_that_dies_fails_the_engine_by_name(tmp_path):
+    """The worker is killed between steps: the next forward fails (an engine
+    failure, as any forward failure is), naming the worker, instead of hanging on a
+    collective."""
+    import os
+    import signal
+
+    from pyagent_framework import LLM, SamplingParams
+    from pyagent_framework.engine.faults import ModelForwardError
+
+    path = tiny_checkpoint("qwen2", tmp_path.parent / "tiny-checkpoints")
+    llm = LLM(path, kv_cache_memory="8MiB", engine_process=False, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        [worker] = llm.engine.core.workers.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        with pytest.raises(ModelForwardError, match=rf"tensor-parallel worker\(s\) exited: pid {worker.pid}"):
+            llm.generate([[5, 6, 7]], params)
+    finally:
+        llm.close()

@@ -79,7 +79,8 @@ class EngineConfig:
     speculative_model: str | None = attrs.field(default=None, metadata={"help": "the draft model for speculative_method draft_model (the default method when this is set)"})
     speculative_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("speculative_config", v), metadata={"help": "the proposer's options as JSON, e.g. '{\"n_max\": 4}'"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
-    num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads"})
+    num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads (per rank; default with tensor parallelism: the cores shared among the ranks)"})
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive, metadata={"help": "ranks the model is split across (tensor parallelism): local worker processes joined by torch.distributed (gloo); CPU only for now"})
     engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
     def grammar_cache_bytes(self) -> int:

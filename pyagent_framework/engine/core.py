@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pyagent_framework import registries
+from pyagent_framework import parallel, registries
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
@@ -31,6 +31,7 @@ from pyagent_framework.engine.scheduler import ScheduledBatch, Scheduler
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.engine.step_sampler import Sampled, StepSampler
 from pyagent_framework.engine.structured import StructuredOutputManager
+from pyagent_framework.engine.tensor_parallel import TensorParallelWorkers
 from pyagent_framework.engine.updater import RequestUpdater
 from pyagent_framework.interfaces import layer_ops
 from pyagent_framework.messages import AddRequest, CoreInfo, CoreOutputs
@@ -43,9 +44,14 @@ GRAMMAR_POLL_SECONDS = 0.005  # how long an idle step waits for a grammar to com
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        tp_size = config.tensor_parallel_size
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        elif tp_size > 1:  # the ranks share the cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
         self.device = loader.choose_device(config.device)
+        if tp_size > 1:
+            setup.check_tensor_parallel(config, self.device)
         self.model_path = loader.resolve_model(config.model, config.gguf_file)
         weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
@@ -62,16 +68,17 @@ class EngineCore:
         policy_cls = None
         if config.enable_prefix_caching:
             policy_cls = loader.load_entry(registries.eviction_policies, config.eviction_policy, "eviction_policy")
-        self.model = loader.build_model(
-            self.model_path,
-            self.model_config,
-            weight_format=weight_format,
-            attention_backend=self.attention_backend,
-            quantization=self.quantization,
-            quantization_config=config.quantization_config,
-            dtype=config.dtype,
-            device=self.device,
-        )
+        with parallel.building(parallel.TensorParallel(0, tp_size)):  # rank 0's slice of the model
+            self.model = loader.build_model(
+                self.model_path,
+                self.model_config,
+                weight_format=weight_format,
+                attention_backend=self.attention_backend,
+                quantization=self.quantization,
+                quantization_config=config.quantization_config,
+                dtype=config.dtype,
+                device=self.device,
+            )
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = setup.max_model_len(config, self.model_config)
         self.kv_cache, num_blocks = setup.allocate_kv_cache(config, self.model, self.max_model_len, self.device)
@@ -113,7 +120,13 @@ class EngineCore:
             grammar=self.grammar,
             max_model_len=self.max_model_len,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.workers = None  # ranks 1 and up of a tensor-parallel group
+        if tp_size > 1:
+            self.workers = TensorParallelWorkers(
+                config, size=tp_size, num_blocks=num_blocks, threads=torch.get_num_threads(),
+                attention_backend=self.attention_backend, quantization=self.quantization,
+            )
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, self.workers)
         self.step_sampler = StepSampler(Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed), self.grammar, self.speculator)
         self.updater = RequestUpdater(self)
         self.requests: dict[str, Sequence] = {}
@@ -234,3 +247,5 @@ class EngineCore:
         self.grammar.close()
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        if self.workers is not None:
+            self.workers.close()

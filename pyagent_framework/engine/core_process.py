@@ -12,20 +12,18 @@ and the loop runs on a thread of its own (see :func:`main`).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import struct
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
-import msgspec
 import zmq
 
+from pyagent_framework.engine import child_process
 from pyagent_framework.engine.faults import ModelForwardError, as_core_error
 from pyagent_framework.messages import (
     AbortRequests,
@@ -52,43 +50,6 @@ logger = logging.getLogger("pyagent_framework.engine")
 IDLE_POLL_MS = 500  # how long an idle core waits for a message
 COMPILING_POLL_MS = 5  # while a grammar compiles
 EXIT_DEAD = 3  # the exit status of a core that failed (a model forward, a stalled step)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL when the parent dies. A parent that died before this ran is
-    caught by the watch on standard input."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
-def _watch_stdin() -> None:
-    """The front end holds our standard input open; EOF means it is gone."""
-    try:
-        while os.read(0, 4096):
-            pass
-    finally:
-        os._exit(0)
-
-
-def _read_exact(size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = os.read(0, size - len(data))
-        if not chunk:
-            os._exit(0)  # the front end went away before starting us
-        data += chunk
-    return data
-
-
-def _read_startup() -> CoreStartup:
-    (size,) = struct.unpack("<I", _read_exact(4))
-    return msgspec.msgpack.decode(_read_exact(size), type=CoreStartup)
-
-
 class CoreServer:
     """The loop around one :class:`EngineCore`."""
 
@@ -216,10 +177,10 @@ def _loop_on_own_thread(core) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _die_with_parent()
+    child_process.die_with_parent()
     input_address, output_address = (argv or sys.argv[1:])[:2]
-    startup = _read_startup()
-    threading.Thread(target=_watch_stdin, name="pyagent-parent-watch", daemon=True).start()
+    startup = child_process.read_startup(CoreStartup)
+    threading.Thread(target=child_process.watch_stdin, name="pyagent-parent-watch", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us in order
     logging.basicConfig(level=os.environ.get("PYAGENT_CORE_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s [core]: %(message)s")
     context = zmq.Context()

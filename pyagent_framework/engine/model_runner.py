@@ -25,15 +25,58 @@ class StepLogits:
     spec_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class StepInputs:
+    """One step's batch as tensors: all the model needs to run it, and the rows whose
+    logits are wanted (``logit_rows``: index groups, each given to ``compute_logits``
+    in this order). A tensor-parallel worker receives exactly this (see
+    :mod:`pyagent_framework.engine.tensor_parallel`), so every rank runs the same
+    collectives in the same order."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    logit_rows: list[torch.Tensor]
+
+
+def run_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, inputs: StepInputs, device) -> list[torch.Tensor]:
+    """The model's forward over ``inputs`` and the logits of each row group (on the
+    model's device)."""
+    device = torch.device(device)
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if device.type == "cpu" else tensor.to(device)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(inputs.slot_mapping),
+        query_start_loc=to_device(inputs.query_start_loc),
+        seq_lens=to_device(inputs.seq_lens),
+        block_tables=to_device(inputs.block_tables),
+        block_size=block_size,
+        max_query_len=inputs.max_query_len,
+        max_seq_len=inputs.max_seq_len,
+    )
+    hidden = model(to_device(inputs.input_ids), to_device(inputs.positions), ForwardContext(metadata=metadata, kv_caches=kv_caches))
+    return [model.compute_logits(hidden[to_device(rows)]) for rows in inputs.logit_rows]
+
+
 class ModelRunner:
     """The batch is laid out on the CPU and copied to the model's device in one go per
-    tensor; the logits stay on that device (the engine masks and samples them)."""
+    tensor; the logits stay on that device (the engine masks and samples them). Under
+    tensor parallelism ``workers`` (ranks 1 and up) receive each step's inputs before
+    this rank runs them."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device=None, workers=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device or "cpu")
+        self.workers = workers
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -73,35 +116,32 @@ class ModelRunner:
             tables = [table for table, n in zip(tables, per_token) for _ in range(n)]
             seq_lens = (torch.cat(positions) + 1).tolist()
             starts = list(range(len(input_ids) + 1))
-        to_device = self._to_device
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(torch.cat(slots)),
-            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32)),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=to_device(torch.tensor(tables, dtype=torch.int32)),
-            block_size=self.block_size,
+        # The row groups whose logits are wanted, in a fixed order: the sampled rows,
+        # each prompt-logprobs span, every draft row of the batch in one group.
+        groups: list[torch.Tensor] = []
+        if sample_rows:
+            groups.append(torch.tensor(sample_rows, dtype=torch.long))
+        groups += [torch.arange(row0, row0 + count) for row0, _, count in prompt_spans.values()]
+        if spec_spans:
+            groups.append(torch.cat([torch.arange(first, first + rows) for first, rows in spec_spans.values()]))
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
+            logit_rows=groups,
         )
-        hidden = self.model(
-            to_device(torch.tensor(input_ids, dtype=torch.long)),
-            to_device(torch.cat(positions)),
-            ForwardContext(metadata=metadata, kv_caches=self.kv_caches),
-        )
-        sample_logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None
-        prompt_rows = {
-            seq_id: (first, self.model.compute_logits(hidden[row0 : row0 + count]))
-            for seq_id, (row0, first, count) in prompt_spans.items()
-        }
+        if self.workers is not None:
+            self.workers.send_step(inputs)
+        logits = iter(run_step(self.model, self.kv_caches, self.block_size, inputs, self.device))
+        sample_logits = next(logits) if sample_rows else None
+        prompt_rows = {seq_id: (first, next(logits)) for seq_id, (_, first, _) in prompt_spans.items()}
         spec_rows = {}
-        if spec_spans:  # one head matmul for every draft row of the batch
-            index = torch.cat([torch.arange(first, first + rows) for first, rows in spec_spans.values()])
-            drafted = self.model.compute_logits(hidden[index.to(hidden.device)])
+        if spec_spans:
             sizes = [rows for _, rows in spec_spans.values()]
-            spec_rows = dict(zip(spec_spans, drafted.split(sizes)))
+            spec_rows = dict(zip(spec_spans, next(logits).split(sizes)))
         return StepLogits(sample_seqs, sample_logits, prompt_rows, spec_rows)
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.to(self.device)

@@ -8,7 +8,6 @@ import concurrent.futures
 import logging
 import queue
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import attrs
 import msgspec
 import zmq
 
+from pyagent_framework.engine import child_process
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.core_client import STATS_WAIT_SECONDS
 from pyagent_framework.engine.faults import as_exception
@@ -96,9 +96,7 @@ class ProcessClient:
             stdin=subprocess.PIPE,
         )
         try:
-            startup = msgspec.msgpack.encode(CoreStartup(attrs.asdict(config), step_timeout))
-            self.process.stdin.write(struct.pack("<I", len(startup)) + startup)
-            self.process.stdin.flush()
+            child_process.write_startup(self.process, CoreStartup(attrs.asdict(config), step_timeout))
             self.info = self._wait_ready()
         except BaseException:
             self._stop_process(kill=True)
@@ -265,20 +263,7 @@ class ProcessClient:
                     logger.exception("an on_dead callback failed")
 
     def _stop_process(self, *, kill: bool, release: bool = True) -> None:
-        process = self.process
-        if process.poll() is None:
-            if kill:
-                process.kill()
-            try:
-                process.wait(SHUTDOWN_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if process.stdin is not None:
-            try:
-                process.stdin.close()
-            except OSError:
-                pass
+        child_process.stop(self.process, kill=kill, wait_seconds=SHUTDOWN_SECONDS)
         if release:
             self._release()
 

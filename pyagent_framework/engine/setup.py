@@ -139,6 +139,23 @@ def make_kv_transfer(config: EngineConfig, connector_cls, kv_cache: torch.Tensor
         raise ConfigError(f"kv_connector_config: {exc}", field="kv_connector_config") from None
 
 
+def check_tensor_parallel(config: EngineConfig, device: Any) -> None:
+    """What tensor parallelism does not run with yet, refused before any weight loads."""
+    size = config.tensor_parallel_size
+    if torch.device(device).type != "cpu":
+        raise ConfigError(
+            f"tensor_parallel_size {size} runs on the CPU only for now (device {device}); use device cpu or "
+            "tensor_parallel_size 1",
+            field="tensor_parallel_size",
+        )
+    if config.kv_connector is not None:
+        raise ConfigError(
+            f"kv_connector {config.kv_connector!r} moves rank 0's KV blocks only; it does not run with "
+            f"tensor_parallel_size {size} yet",
+            field="kv_connector",
+        )
+
+
 def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device: Any) -> tuple[torch.Tensor, int]:
     dtype = loader.torch_dtype(config.dtype)
     per_block = model.kv_cache_shape(1, config.block_size)

@@ -1,0 +1,78 @@
+"""What the engine's child processes share (the engine core's process, tensor-parallel
+workers): a start-up message on standard input, length-prefixed msgpack (never a
+pickle), and the rules that tie a child's life to its parent's."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import struct
+import subprocess
+from typing import Any
+
+import msgspec
+
+PR_SET_PDEATHSIG = 1
+
+
+def write_startup(process: subprocess.Popen, message: Any) -> None:
+    """Send ``message`` (a msgspec struct) to the child's standard input."""
+    data = msgspec.msgpack.encode(message)
+    process.stdin.write(struct.pack("<I", len(data)) + data)
+    process.stdin.flush()
+
+
+def read_exact(size: int) -> bytes:
+    """``size`` bytes of standard input; exits when the parent closed it first."""
+    data = b""
+    while len(data) < size:
+        chunk = os.read(0, size - len(data))
+        if not chunk:
+            os._exit(0)  # the parent went away before starting us
+        data += chunk
+    return data
+
+
+def read_startup(kind: type) -> Any:
+    """The start-up message the parent wrote (:func:`write_startup`), as ``kind``."""
+    (size,) = struct.unpack("<I", read_exact(4))
+    return msgspec.msgpack.decode(read_exact(size), type=kind)
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL when the parent dies. A parent that died before this ran is
+    caught by the watch on standard input."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def watch_stdin() -> None:
+    """The parent holds our standard input open; EOF means it is gone (run on a
+    thread of its own)."""
+    try:
+        while os.read(0, 4096):
+            pass
+    finally:
+        os._exit(0)
+
+
+def stop(process: subprocess.Popen, *, kill: bool, wait_seconds: float) -> None:
+    """Wait for the child to end (killing it first with ``kill``, or after
+    ``wait_seconds``), then close its standard input."""
+    if process.poll() is None:
+        if kill:
+            process.kill()
+        try:
+            process.wait(wait_seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.stdin is not None:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
