@@ -61,6 +61,22 @@ class DecoderSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
 
 
+def _packed_columns(packed: PackedWeight, start: int, stop: int) -> PackedWeight | None:
+    """Columns ``start:stop`` of a packed GGUF weight, as its bytes, when both ends
+    fall on its blocks (each row codes its blocks of columns one after another); None
+    otherwise, or for a weight with a column order or offsets of its own."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType.__members__.get(packed.encoding)
+    if qtype is None or packed.perm is not None or packed.offsets is not None:
+        return None
+    block, size = GGML_QUANT_SIZES[qtype]
+    if start % block or stop % block:
+        return None
+    data = packed.data[:, start // block * size : stop // block * size].contiguous()
+    return PackedWeight(packed.encoding, (packed.shape[0], stop - start), data, packed.decode, packed.name)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)``, computed in float32 as transformers does
     (by ``ops.rms_norm``: the attention backend's kernel, else plain torch). Called
@@ -513,7 +529,10 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         if isinstance(tensor, PackedWeight):
             if dim == 0:
                 return tensor.rows(start, stop)
-            logger.info("%s: split along its input features, computed from dequantized floats", name)
+            columns = _packed_columns(tensor, start, stop)
+            if columns is not None:
+                return columns
+            logger.info("%s: split along its input features inside its blocks: computed from dequantized floats", name)
             tensor = tensor.dequantize()
         return tensor.narrow(dim, start, stop - start)
 
