@@ -131,15 +131,22 @@ def _rank(rank: int, size: int, path: str, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _biased_llama(directory: Path) -> str:
-    """A tiny Llama with biases on every projection (``attention_bias``, ``mlp_bias``),
-    random so that o_proj's and down_proj's count: they must be added once."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tiny(directory: Path, kind: str) -> str:
+    """A tiny checkpoint beside tiny_models' four: a Llama with biases on every
+    projection (``attention_bias``, ``mlp_bias``), random so that o_proj's and
+    down_proj's count (they must be added once), or a Granite with all four of its
+    multipliers away from 1."""
+    from transformers import AutoModelForCausalLM, GraniteConfig, LlamaConfig
 
     from tests.tiny_models import COMMON, save_tokenizer
 
     torch.manual_seed(6)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True))
+    if kind == "llama-with-biases":
+        config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)
+    else:
+        config = GraniteConfig(**COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                               logits_scaling=2.0)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
@@ -149,16 +156,18 @@ def _biased_llama(directory: Path) -> str:
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases"])
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite"])
 def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
     share them in pairs; the vocabulary (320) and intermediate size (96) split too.
     Qwen2/Qwen3 tie the head to the embedding, Llama/Mistral do not; the biased Llama
-    has q/k/v biases split with their rows and o/down biases added by rank 0 alone."""
+    has q/k/v biases split with their rows and o/down biases added by rank 0 alone;
+    Granite scales the summed embedding, each layer's outputs and the gathered
+    logits."""
     import torch.multiprocessing as mp
 
-    if arch == "llama-with-biases":
-        path = _biased_llama(tmp_path / "model")
+    if arch in ("llama-with-biases", "granite"):
+        path = _tiny(tmp_path / "model", arch)
     else:
         path = tiny_checkpoint(arch, tmp_path.parent / "tiny-checkpoints")
     want = _greedy_logits(_build(path))

@@ -40,9 +40,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
     The backend's fused decode step (Llama's layer math) is not used.
     """
 
-    #: Its layers or weights differ from Llama's; not split across ranks yet.
-    tensor_parallel: ClassVar[bool] = False
-
     spec: ClassVar[DecoderSpec] = DecoderSpec()
     use_fused_decode = False  # the fused stack knows neither multiplier nor logits scaling
 
@@ -67,7 +64,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         return GraniteDecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps, self.residual_multiplier)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids) * self.embedding_multiplier
+        return super()._embed(input_ids) * self.embedding_multiplier
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states) / self.logits_scaling
