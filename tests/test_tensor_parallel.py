@@ -134,15 +134,17 @@ def _rank(rank: int, size: int, path: str, store: str, out: str) -> None:
 def _tiny(directory: Path, kind: str) -> str:
     """A tiny checkpoint beside tiny_models' four: a Llama with biases on every
     projection (``attention_bias``, ``mlp_bias``), random so that o_proj's and
-    down_proj's count (they must be added once), or a Granite with all four of its
-    multipliers away from 1."""
-    from transformers import AutoModelForCausalLM, GraniteConfig, LlamaConfig
+    down_proj's count (they must be added once), a Granite with all four of its
+    multipliers away from 1, or a Phi-3 (fused checkpoint tensors, partial rotary)."""
+    from transformers import AutoModelForCausalLM, GraniteConfig, LlamaConfig, Phi3Config
 
     from tests.tiny_models import COMMON, save_tokenizer
 
     torch.manual_seed(6)
     if kind == "llama-with-biases":
         config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)
+    elif kind == "phi3":  # fused qkv_proj and gate_up_proj tensors in the checkpoint
+        config = Phi3Config(**COMMON, pad_token_id=2, partial_rotary_factor=0.5)
     else:
         config = GraniteConfig(**COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                logits_scaling=2.0)
@@ -156,17 +158,18 @@ def _tiny(directory: Path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite"])
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite", "phi3"])
 def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
     share them in pairs; the vocabulary (320) and intermediate size (96) split too.
     Qwen2/Qwen3 tie the head to the embedding, Llama/Mistral do not; the biased Llama
     has q/k/v biases split with their rows and o/down biases added by rank 0 alone;
     Granite scales the summed embedding, each layer's outputs and the gathered
-    logits."""
+    logits; Phi-3's checkpoint holds fused q|k|v and gate|up tensors, whose parts
+    each rank takes its rows of (and it rotates half of each head)."""
     import torch.multiprocessing as mp
 
-    if arch in ("llama-with-biases", "granite"):
+    if arch in ("llama-with-biases", "granite", "phi3"):
         path = _tiny(tmp_path / "model", arch)
     else:
         path = tiny_checkpoint(arch, tmp_path.parent / "tiny-checkpoints")
@@ -180,14 +183,14 @@ def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
 
 
 def test_architectures_not_split_yet_say_so(tmp_path):
-    from pyagent_hf.models.phi3 import Phi3ForCausalLM
+    from pyagent_hf.models.olmo2 import Olmo2ForCausalLM
 
     from pyagent_framework.paged_attention import TorchAttention
 
     config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 320}
-    with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="Phi3ForCausalLM cannot be split"):
-        Phi3ForCausalLM(config, TorchAttention)
+    with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="Olmo2ForCausalLM cannot be split"):
+        Olmo2ForCausalLM(config, TorchAttention)
 
 
 # ----------------------------------------------------------------------------- the engine

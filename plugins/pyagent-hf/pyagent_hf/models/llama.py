@@ -479,9 +479,10 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         """Checkpoint name -> (our tensor, row offset, rows, take) for every loadable
         tensor. ``take`` is this rank's part of the checkpoint tensor under tensor
         parallelism (see :meth:`_take`): None (all of it), ``(dim, start, stop,
-        full)`` (a slice of a dimension the checkpoint holds ``full`` of), or "first"
-        (all of it on rank 0, zeros elsewhere: the bias of a row-parallel linear, added
-        once by the sum)."""
+        full)`` (a slice of a dimension the checkpoint holds ``full`` of), ``("rows",
+        [(start, stop), ...], full)`` (row ranges joined: a fused tensor's parts, see
+        :meth:`_fused_take`), or "first" (all of it on rank 0, zeros elsewhere: the
+        bias of a row-parallel linear, added once by the sum)."""
         targets: dict[str, tuple[torch.Tensor, int, int, Any]] = {}
         shard, d = self.shard, self.head_dim
         q, kv = shard.num_heads * d, shard.num_kv_heads * d
@@ -512,6 +513,23 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             targets[name] = (param, 0, param.shape[0], take)
         return targets
 
+    def _fused_take(self, leaf: str) -> Any:
+        """``take`` (see :meth:`_param_targets`) of a checkpoint that holds a fused
+        ``qkv_proj`` (q | k | v rows) or ``gate_up_proj`` (gate | up rows) itself:
+        this rank's rows of each part, joined; None without tensor parallelism."""
+        if self.parallel.size == 1:
+            return None
+        d, shard = self.head_dim, self.shard
+        if leaf == "qkv_proj":
+            q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+            q0, k0 = shard.q_start * d, shard.kv_start * d
+            q, kv = shard.num_heads * d, shard.num_kv_heads * d
+            ranges = [(q0, q0 + q), (q_rows + k0, q_rows + k0 + kv), (q_rows + kv_rows + k0, q_rows + kv_rows + k0 + kv)]
+            return ("rows", ranges, q_rows + 2 * kv_rows)
+        i0, i1 = self.intermediate_range
+        inter = self.intermediate_size
+        return ("rows", [(i0, i1), (inter + i0, inter + i1)], 2 * inter)
+
     def _take(self, tensor: torch.Tensor | PackedWeight, take: Any, name: str) -> torch.Tensor | PackedWeight:
         """This rank's part of checkpoint tensor ``name`` (``take``: see
         :meth:`_param_targets`). A packed weight splits along its rows as bytes; along
@@ -523,6 +541,13 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
                 return tensor
             values = tensor.dequantize() if isinstance(tensor, PackedWeight) else tensor
             return torch.zeros_like(values)
+        if take[0] == "rows":  # several row ranges, joined
+            _, ranges, full = take
+            if tensor.shape[0] != full:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {full} rows")
+            if isinstance(tensor, PackedWeight):
+                return PackedWeight.concat([tensor.rows(a, b) for a, b in ranges], name=tensor.name)
+            return torch.cat([tensor[a:b] for a, b in ranges])
         dim, start, stop, full = take
         if tensor.shape[dim] != full:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {full} along dimension {dim}")

@@ -61,9 +61,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     used (``use_fused_decode`` off for the instance) when ``partial_rotary_factor`` < 1.
     """
 
-    #: Its layers or weights differ from Llama's; not split across ranks yet.
-    tensor_parallel: ClassVar[bool] = False
-
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=32064,
         hidden_size=3072,
@@ -115,10 +112,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
         # Llama's targets name the fused linears' parts; Phi-3 checkpoints hold the
-        # fused tensors themselves, which fill the whole parameter.
+        # fused tensors themselves, which fill the whole parameter (this rank's rows of
+        # each part, under tensor parallelism).
         targets = super()._param_targets()
         for name, param in self.named_parameters():
             module = name.rpartition(".")[0]
             if module.endswith((".qkv_proj", ".gate_up_proj")):
-                targets[name] = (param, 0, param.shape[0], None)
+                targets[name] = (param, 0, param.shape[0], self._fused_take(module.rpartition(".")[2]))
         return targets
