@@ -135,8 +135,9 @@ def _tiny(directory: Path, kind: str) -> str:
     """A tiny checkpoint beside tiny_models' four: a Llama with biases on every
     projection (``attention_bias``, ``mlp_bias``), random so that o_proj's and
     down_proj's count (they must be added once), a Granite with all four of its
-    multipliers away from 1, or a Phi-3 (fused checkpoint tensors, partial rotary)."""
-    from transformers import AutoModelForCausalLM, GraniteConfig, LlamaConfig, Phi3Config
+    multipliers away from 1, a Phi-3 (fused checkpoint tensors, partial rotary), a
+    Gemma 2 or a Gemma 3 (sliding windows shorter than the test's 14 tokens)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Phi3Config
 
     from tests.tiny_models import COMMON, save_tokenizer
 
@@ -145,6 +146,10 @@ def _tiny(directory: Path, kind: str) -> str:
         config = LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True)
     elif kind == "phi3":  # fused qkv_proj and gate_up_proj tensors in the checkpoint
         config = Phi3Config(**COMMON, pad_token_id=2, partial_rotary_factor=0.5)
+    elif kind == "gemma2":  # GeGLU, four norms a layer, soft-capped attention and logits
+        config = Gemma2Config(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
+    elif kind == "gemma3":  # per-head q/k norms, local and global RoPE
+        config = Gemma3TextConfig(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
     else:
         config = GraniteConfig(**COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                logits_scaling=2.0)
@@ -158,7 +163,7 @@ def _tiny(directory: Path, kind: str) -> str:
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite", "phi3"])
+@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite", "phi3", "gemma2", "gemma3"])
 def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
     share them in pairs; the vocabulary (320) and intermediate size (96) split too.
@@ -166,10 +171,11 @@ def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     has q/k/v biases split with their rows and o/down biases added by rank 0 alone;
     Granite scales the summed embedding, each layer's outputs and the gathered
     logits; Phi-3's checkpoint holds fused q|k|v and gate|up tensors, whose parts
-    each rank takes its rows of (and it rotates half of each head)."""
+    each rank takes its rows of (and it rotates half of each head); Gemma scales the
+    summed embedding and soft-caps the gathered logits."""
     import torch.multiprocessing as mp
 
-    if arch in ("llama-with-biases", "granite", "phi3"):
+    if arch not in ARCHS:
         path = _tiny(tmp_path / "model", arch)
     else:
         path = tiny_checkpoint(arch, tmp_path.parent / "tiny-checkpoints")

@@ -69,7 +69,7 @@ class GemmaMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+        return self.parallel.all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate) * up))
 
 
 class Gemma3Attention(Attention):
@@ -126,9 +126,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     ``sliding_window`` with ``layer_types`` (else every other layer, from the first,
     slides), ``tie_word_embeddings`` (default True), defaults of Gemma2Config.
     ``use_bidirectional_attention`` is not supported."""
-
-    #: Its layers or weights differ from Llama's; not split across ranks yet.
-    tensor_parallel: ClassVar[bool] = False
 
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=256000,
@@ -195,13 +192,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def _make_mlp(self, index: int, bias: bool, ops: LayerOps) -> nn.Module:
         approximate = GELU_APPROXIMATIONS[self._activation(self.config)]
-        return GemmaMLP(self.hidden_size, self.intermediate_size, approximate, ops)
+        start, stop = self.intermediate_range  # this rank's (all of them at size 1)
+        return GemmaMLP(self.hidden_size, stop - start, approximate, ops)
 
     def _make_layer(self, attention: Attention, mlp: MLP) -> GemmaDecoderLayer:
         return GemmaDecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = super()._embed(input_ids)  # the ranks' rows summed under tensor parallelism
         key = (x.dtype, x.device)
         scale = self._embed_scales.get(key)
         if scale is None:
