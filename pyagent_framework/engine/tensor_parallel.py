@@ -202,6 +202,7 @@ def main() -> int:
         os.write(1, f"{type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")
         return 1
     os.write(1, b"ready\n")
+    os.dup2(2, 1)  # rank 0 reads no more of our stdout: anything printed later goes to stderr
     dist.init_process_group("gloo", init_method=startup.address, rank=startup.rank, world_size=startup.size,
                             timeout=COLLECTIVE_TIMEOUT)
     with torch.inference_mode():
