@@ -136,8 +136,12 @@ def _tiny(directory: Path, kind: str) -> str:
     projection (``attention_bias``, ``mlp_bias``), random so that o_proj's and
     down_proj's count (they must be added once), a Granite with all four of its
     multipliers away from 1, a Phi-3 (fused checkpoint tensors, partial rotary), a
-    Gemma 2 or a Gemma 3 (sliding windows shorter than the test's 14 tokens)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Phi3Config
+    Gemma 2 or a Gemma 3 (sliding windows shorter than the test's 14 tokens), a
+    Mixtral or a Qwen3-MoE (routers drawn wide, so that choices are clear)."""
+    from transformers import (
+        AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MixtralConfig, Phi3Config,
+        Qwen3MoeConfig,
+    )
 
     from tests.tiny_models import COMMON, save_tokenizer
 
@@ -150,20 +154,34 @@ def _tiny(directory: Path, kind: str) -> str:
         config = Gemma2Config(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
     elif kind == "gemma3":  # per-head q/k norms, local and global RoPE
         config = Gemma3TextConfig(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
+    elif kind == "mixtral":  # 4 experts of intermediate_size, top 2
+        config = MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    elif kind == "qwen3moe":  # 6 experts of 32, top 3, and a dense layer between MoE layers
+        config = Qwen3MoeConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+        )
     else:
         config = GraniteConfig(**COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                logits_scaling=2.0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.1) if param.dim() == 2 else param.uniform_(-0.5, 0.5)
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):  # a MoE router: clear choices between experts
+                param.normal_(0.0, 0.5)
+            elif param.dim() >= 2:  # transformers 5 holds experts as 3-D parameters
+                param.normal_(0.0, 0.1)
+            else:
+                param.uniform_(-0.5, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     save_tokenizer(directory)
     return str(directory)
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("arch", [*ARCHS, "llama-with-biases", "granite", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", [*ARCHS, "llama-with-biases", "granite", "phi3", "gemma2", "gemma3", "mixtral", "qwen3moe"]
+)
 def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
     share them in pairs; the vocabulary (320) and intermediate size (96) split too.
@@ -172,7 +190,9 @@ def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     Granite scales the summed embedding, each layer's outputs and the gathered
     logits; Phi-3's checkpoint holds fused q|k|v and gate|up tensors, whose parts
     each rank takes its rows of (and it rotates half of each head); Gemma scales the
-    summed embedding and soft-caps the gathered logits."""
+    summed embedding and soft-caps the gathered logits; in the MoE models every rank
+    holds each expert's slice and routes with the whole router, and the block sums
+    the ranks' outputs once."""
     import torch.multiprocessing as mp
 
     if arch not in ARCHS:
@@ -188,7 +208,7 @@ def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_architectures_not_split_yet_say_so(tmp_path):
+def test_architectures_not_split_yet_say_so():
     from pyagent_hf.models.olmo2 import Olmo2ForCausalLM
 
     from pyagent_framework.paged_attention import TorchAttention

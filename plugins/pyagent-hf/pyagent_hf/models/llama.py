@@ -176,13 +176,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: LayerOps | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, ops: LayerOps | None = None, *, reduce: bool = True
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.ops = ops or LayerOps()
-        self.parallel = parallel.current()  # down_proj is row-parallel under tensor parallelism
+        # down_proj is row-parallel under tensor parallelism: the ranks' outputs are
+        # summed after it, unless the caller sums them (a MoE block, once for all its
+        # experts: reduce=False).
+        self.parallel = parallel.current() if reduce else parallel.TensorParallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyagent_framework import parallel
 from pyagent_framework.interfaces import LayerOps, PackedWeight
 
 from .llama import MLP, DecoderSpec
@@ -106,6 +107,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(experts)
         self._backend = attention_backend
         self._fused = None  # the backend's grouped-experts call: None (not asked yet), False (none)
+        self.parallel = parallel.current()  # the ranks' expert slices are summed once, after the block
 
     def _fused_experts(self):
         """The backend's grouped-experts call for this block (asked once), or None."""
@@ -117,6 +119,9 @@ class SparseMoeBlock(nn.Module):
         return None if self._fused is False else self._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(self._experts(x))
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
         tokens, top_k = experts.shape
         if tokens == 0:
@@ -166,9 +171,6 @@ class _MoEMixin:
     ``norm_topk_prob``, ``moe_intermediate_size`` and ``_attention_backend`` before
     ``super().__init__`` (which builds the layers)."""
 
-    #: Its layers or weights differ from Llama's; not split across ranks yet.
-    tensor_parallel: ClassVar[bool] = False
-
     num_experts: int
     top_k: int
     norm_topk_prob: bool
@@ -187,20 +189,32 @@ class _MoEMixin:
             self.hidden_size, self.num_experts, self.top_k,
             renormalize=self.norm_topk_prob, weights_in_input_dtype=self._router_weights_in_input_dtype,
         )
-        experts = [MLP(self.hidden_size, self.moe_intermediate_size, False, ops) for _ in range(self.num_experts)]
+        # Under tensor parallelism every rank holds every expert's slice of the
+        # intermediate features, and the block sums the ranks' outputs once.
+        start, stop = self._moe_range()
+        experts = [MLP(self.hidden_size, stop - start, False, ops, reduce=False) for _ in range(self.num_experts)]
         return SparseMoeBlock(router, experts, self._attention_backend)
+
+    def _moe_range(self) -> tuple[int, int]:
+        """This rank's slice of each expert's intermediate features."""
+        return self.parallel.split(self.moe_intermediate_size, "moe_intermediate_size")
 
     def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
         targets = super()._param_targets()
         # Llama's targets split every gate_up_proj at intermediate_size; an expert's
-        # (Qwen3-MoE's moe_intermediate_size) may differ.
-        inter = self.moe_intermediate_size
+        # (Qwen3-MoE's moe_intermediate_size) may differ, and so may its rank's slice.
+        start, stop = self._moe_range()
+        inter, split = stop - start, self.parallel.size > 1
+        rows = (0, start, stop, self.moe_intermediate_size) if split else None
+        columns = (1, start, stop, self.moe_intermediate_size) if split else None
         for name, module in self.named_modules():
             if isinstance(module, SparseMoeBlock):
                 for e, expert in enumerate(module.experts):
                     fused = expert.gate_up_proj.weight
-                    targets[f"{name}.experts.{e}.gate_proj.weight"] = (fused, 0, inter, None)
-                    targets[f"{name}.experts.{e}.up_proj.weight"] = (fused, inter, inter, None)
+                    targets[f"{name}.experts.{e}.gate_proj.weight"] = (fused, 0, inter, rows)
+                    targets[f"{name}.experts.{e}.up_proj.weight"] = (fused, inter, inter, rows)
+                    down = expert.down_proj.weight
+                    targets[f"{name}.experts.{e}.down_proj.weight"] = (down, 0, down.shape[0], columns)
         return targets
 
     def _canonical(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
