@@ -139,8 +139,8 @@ def _tiny(directory: Path, kind: str) -> str:
     Gemma 2 or a Gemma 3 (sliding windows shorter than the test's 14 tokens), a
     Mixtral or a Qwen3-MoE (routers drawn wide, so that choices are clear)."""
     from transformers import (
-        AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MixtralConfig, Phi3Config,
-        Qwen3MoeConfig,
+        AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MixtralConfig, Olmo2Config,
+        Phi3Config, Qwen3MoeConfig,
     )
 
     from tests.tiny_models import COMMON, save_tokenizer
@@ -154,6 +154,8 @@ def _tiny(directory: Path, kind: str) -> str:
         config = Gemma2Config(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
     elif kind == "gemma3":  # per-head q/k norms, local and global RoPE
         config = Gemma3TextConfig(**COMMON, head_dim=16, pad_token_id=2, sliding_window=8)
+    elif kind == "olmo2":  # post-norms, q/k norms over the whole projections, q/k/v/o biases
+        config = Olmo2Config(**COMMON, pad_token_id=2, attention_bias=True)
     elif kind == "mixtral":  # 4 experts of intermediate_size, top 2
         config = MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
     elif kind == "qwen3moe":  # 6 experts of 32, top 3, and a dense layer between MoE layers
@@ -180,7 +182,7 @@ def _tiny(directory: Path, kind: str) -> str:
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize(
-    "arch", [*ARCHS, "llama-with-biases", "granite", "phi3", "gemma2", "gemma3", "mixtral", "qwen3moe"]
+    "arch", [*ARCHS, "llama-with-biases", "granite", "phi3", "gemma2", "gemma3", "olmo2", "mixtral", "qwen3moe"]
 )
 def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     """4 heads and 2 key/value heads: two ranks hold one key/value head each, four
@@ -208,15 +210,21 @@ def test_split_models_give_the_whole_models_logits(tmp_path, arch, size):
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_architectures_not_split_yet_say_so():
-    from pyagent_hf.models.olmo2 import Olmo2ForCausalLM
+def test_a_variant_that_cannot_be_split_says_so_by_name():
+    """Every architecture here splits; a variant (a third party's, say) whose layers
+    differ from Llama's declares ``tensor_parallel = False`` and is refused by name."""
+    from pyagent_hf.models.llama import LlamaForCausalLM
 
     from pyagent_framework.paged_attention import TorchAttention
 
+    class RoutedAttentionLlama(LlamaForCausalLM):
+        tensor_parallel = False
+
     config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 320}
-    with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="Olmo2ForCausalLM cannot be split"):
-        Olmo2ForCausalLM(config, TorchAttention)
+    assert RoutedAttentionLlama(config, TorchAttention).shard == HeadShard(4, 2, 0, 0)
+    with parallel.building(TensorParallel(0, 2)), pytest.raises(ConfigError, match="RoutedAttentionLlama cannot be split"):
+        RoutedAttentionLlama(config, TorchAttention)
 
 
 # ----------------------------------------------------------------------------- the engine

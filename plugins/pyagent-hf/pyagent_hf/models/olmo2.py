@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,13 +22,30 @@ class Olmo2Attention(Attention):
         eps = kwargs["rms_norm_eps"]
         self.q_norm = RMSNorm(self.q_size, eps, self.ops)
         self.k_norm = RMSNorm(self.kv_size, eps, self.ops)
+        # Under tensor parallelism (set by the model): the whole projections' sizes, and
+        # how many ranks hold each key/value head (replicated when fewer than ranks).
+        self.full_sizes = (self.q_size, self.kv_size)
+        self.kv_replicas = 1
 
     def _rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = qkv.shape[0]
-        q = self.q_norm(qkv[:, : self.q_size].contiguous()).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].contiguous())
+        q, k = qkv[:, : self.q_size].contiguous(), qkv[:, self.q_size : self.q_size + self.kv_size].contiguous()
+        if self.parallel.size == 1:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q = self._norm_across_ranks(q, self.q_norm, self.full_sizes[0], 1)
+            k = self._norm_across_ranks(k, self.k_norm, self.full_sizes[1], self.kv_replicas)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.ops.rotary_embedding(q, cos, sin), self.ops.rotary_embedding(k, cos, sin)
+
+    def _norm_across_ranks(self, x: torch.Tensor, norm: RMSNorm, size: int, replicas: int) -> torch.Tensor:
+        """RMSNorm over the whole projection when each rank holds a slice of it: the
+        ranks' sums of squares are summed (each held ``replicas`` times), the rest as
+        :meth:`~pyagent_framework.interfaces.LayerOps.rms_norm` computes it."""
+        x32 = x.float()
+        squares = self.parallel.all_reduce(x32.pow(2).sum(-1, keepdim=True)) / replicas
+        return norm.weight * (x32 * torch.rsqrt(squares / size + norm.eps)).to(x.dtype)
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -59,9 +76,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     Olmo2Config (``rms_norm_eps`` 1e-5). The backend's fused decode step (Llama's
     pre-norm layer) is not used."""
 
-    #: Its layers or weights differ from Llama's; not split across ranks yet.
-    tensor_parallel: ClassVar[bool] = False
-
     spec: ClassVar[DecoderSpec] = DecoderSpec(
         vocab_size=50304,
         rms_norm_eps=1e-5,
@@ -71,4 +85,22 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     attention_cls = Olmo2Attention
 
     def _make_layer(self, attention: Attention, mlp: MLP) -> Olmo2DecoderLayer:
+        attention.full_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        attention.kv_replicas = max(1, self.parallel.size // self.num_kv_heads)
         return Olmo2DecoderLayer(attention, mlp, self.hidden_size, self.rms_norm_eps)
+
+    def _param_targets(self) -> dict[str, tuple[torch.Tensor, int, int, Any]]:
+        # The q/k norms' weights span the whole projections: each rank takes its heads'.
+        targets = super()._param_targets()
+        if self.parallel.size > 1:
+            d, shard = self.head_dim, self.shard
+            q0, k0 = shard.q_start * d, shard.kv_start * d
+            spans = {
+                "q_norm": (q0, q0 + shard.num_heads * d, self.num_heads * d),
+                "k_norm": (k0, k0 + shard.num_kv_heads * d, self.num_kv_heads * d),
+            }
+            for name, (param, offset, rows, _) in list(targets.items()):
+                leaf = name.rpartition(".")[0].rpartition(".")[2]
+                if leaf in spans:
+                    targets[name] = (param, offset, rows, (0, *spans[leaf]))
+        return targets
