@@ -1502,10 +1502,12 @@ void q4_int16_row(const QuantLinearArgs& a, const Q8Rows& x, int64_t n_begin, in
   }
 }
 
-// Many rows of x (prefill) outgrow the L2 cache, and streaming all of them past each
-// tile in turn reads them from L3 once per 16 output features. Then up to kTileGroupBytes
-// of tiles are built first and x goes past the whole group in chunks of kXChunkBytes,
-// so that both stay in L2 (2 MB per core here): 1.2x on a 2048 x 576 x 1536 int16 GEMM.
+// Tiles of 16 output features are built from the weight, a group of them at a time,
+// and the rows of x go past each group. Few rows of x: one tile per group, all of x
+// past it. Many rows (prefill) outgrow the L2 cache, and streaming all of them past each
+// tile in turn reads them from L3 once per 16 output features; then the group holds up
+// to kTileGroupBytes of tiles and x goes past it in chunks of kXChunkBytes, so that
+// both stay in L2 (2 MB per core here): 1.2x on a 2048 x 576 x 1536 int16 GEMM.
 constexpr int64_t kTileGroupBytes = 1 << 20;
 constexpr int64_t kXChunkBytes = 1 << 18;
 
@@ -1513,26 +1515,18 @@ template <int P>
 void vnni_tiles(const QuantLinearArgs& a, const UnitForm& f, const Q8Rows& x, int64_t n_begin, int64_t n_end) {
   const QuantWeight& w = a.w;
   const int64_t x_row_bytes = P * w.K;
-  if (a.M * x_row_bytes <= kXChunkBytes) {
-    static thread_local VnniTile tile;
-    for (int64_t n = n_begin; n < n_end; n += kVnniRows) {
-      const int64_t rows = std::min<int64_t>(kVnniRows, n_end - n);
-      prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
-      vnni_tile(w, f, n, rows, tile);
-      vnni_rows_of_x<P>(f, tile, x, 0, a.M, a.out + n, w.N, static_cast<__mmask16>((1u << rows) - 1u));
-    }
-    return;
+  int64_t per_group = 1, chunk = a.M;
+  if (a.M * x_row_bytes > kXChunkBytes) {
+    const int64_t tile_bytes = w.K / 32 * (512 + 2 * f.H * 16 * static_cast<int64_t>(sizeof(float)));
+    per_group = std::max<int64_t>(1, kTileGroupBytes / tile_bytes);
+    chunk = std::max<int64_t>(8, kXChunkBytes / x_row_bytes / 8 * 8);
   }
   static thread_local std::vector<VnniTile> group;
-  const int64_t units = w.K / 32;
-  const int64_t tile_bytes = units * (512 + 2 * f.H * 16 * static_cast<int64_t>(sizeof(float)));
-  const int64_t per_group = std::max<int64_t>(1, kTileGroupBytes / tile_bytes);
-  const int64_t chunk = std::max<int64_t>(8, kXChunkBytes / x_row_bytes / 8 * 8);
   if (static_cast<int64_t>(group.size()) < per_group) group.resize(per_group);
   for (int64_t g = n_begin; g < n_end; g += per_group * kVnniRows) {
     const int64_t g_end = std::min(n_end, g + per_group * kVnniRows);
     for (int64_t n = g; n < g_end; n += kVnniRows) {
-      prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, g_end);
+      prefetch_rows(w, n + kVnniRows, n + 2 * kVnniRows, n_end);
       vnni_tile(w, f, n, std::min<int64_t>(kVnniRows, g_end - n), group[(n - g) / kVnniRows]);
     }
     for (int64_t m = 0; m < a.M; m += chunk) {
