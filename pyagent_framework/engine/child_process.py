@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import struct
 import subprocess
 from typing import Any
@@ -14,6 +15,13 @@ from typing import Any
 import msgspec
 
 PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a child to listen on, or a group's store)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_startup(process: subprocess.Popen, message: Any) -> None:

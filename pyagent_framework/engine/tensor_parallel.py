@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -59,12 +58,6 @@ class WorkerStartup(msgspec.Struct, frozen=True):
     quantization: str | None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class TensorParallelWorkers:
     """Ranks 1 to ``size - 1``, started by rank 0 (the engine core) once its model and
     cache exist; joins the group as rank 0 before returning."""
@@ -73,7 +66,7 @@ class TensorParallelWorkers:
         import torch.distributed as dist
 
         self.size = size
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{child_process.free_port()}"
         # gloo's own connections bind to the hostname's address unless told an
         # interface: loopback, as everything this engine opens by default.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
