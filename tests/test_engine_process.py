@@ -222,7 +222,7 @@ def test_a_thousand_requests_cross_the_boundary_and_nothing_is_pickled(path, tmp
         assert llm.engine.stats()["num_request_errors"] == 0
     finally:
         llm.close()
-    assert llm.engine.client.process.returncode == 0
+    assert llm.engine.client.child.process.returncode == 0
     assert len(added) == len(set(added)) == 1000  # one LLM.generate call: every request in one message
     assert encoded.count("AddRequests") == 1
 
@@ -249,7 +249,7 @@ def test_close_stops_the_core_process_and_a_dead_core_fails_requests_within_a_se
     other = LLM(path, engine_process=True, **OPTIONS)
     pid = other.engine.info.pid
     other.close()
-    assert not alive(pid) and other.engine.client.process.returncode == 0
+    assert not alive(pid) and other.engine.client.child.process.returncode == 0
 
 
 PARENT = textwrap.dedent(

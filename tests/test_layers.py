@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pyagent_framework.engine.output_processor",
             "pyagent_framework.engine.core_client",
             "pyagent_framework.engine.process_client",
+            "pyagent_framework.engine.data_parallel",
             "pyagent_framework.engine.detokenizer",
             "pyagent_framework.engine.output_parsers",
             "pyagent_framework.engine.tool_call_readers",

@@ -286,7 +286,7 @@ def test_a_worker_that_dies_fails_the_engine_by_name(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
-        [worker] = llm.engine.core.workers.processes
+        [worker] = [w.process for w in llm.engine.core.workers.workers]
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()
         with pytest.raises(ModelForwardError, match=rf"tensor-parallel worker\(s\) exited: pid {worker.pid}"):

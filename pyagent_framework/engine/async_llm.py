@@ -26,7 +26,6 @@ from typing import Any
 
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
-from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import RequestOutput
@@ -104,7 +103,7 @@ class AsyncLLM:
         self._on_dead = [on_dead] if on_dead is not None else []
         self._dead_lock = threading.Lock()
         self.error: BaseException | None = None
-        if isinstance(self.client, ProcessClient):  # it notices the core process die
+        if hasattr(self.client, "on_dead"):  # a core process's client notices it die
             self.client.on_dead(lambda exc: self._die(exc, "the engine core process stopped"))
         self._thread = threading.Thread(target=self._loop, name="pyagent-engine", daemon=True)
         self._thread.start()

@@ -17,10 +17,10 @@ import msgspec
 PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a child to listen on, or a group's store)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a child to listen on, or a group's store)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -39,6 +39,11 @@ def _json_mapping(name: str, value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _non_negative(attribute, value) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be 0 or more, got {value}")
+
+
 def _positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -80,7 +85,13 @@ class EngineConfig:
     speculative_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("speculative_config", v), metadata={"help": "the proposer's options as JSON, e.g. '{\"n_max\": 4}'"})
     seed: int = attrs.field(default=0, metadata={"help": "seed for unseeded sampling"})
     num_threads: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "torch CPU threads (per rank; default with tensor parallelism: the cores shared among the ranks)"})
-    tensor_parallel_size: int = attrs.field(default=1, validator=_positive, metadata={"help": "ranks the model is split across (tensor parallelism): local worker processes joined by torch.distributed (gloo); CPU only for now"})
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive, metadata={"help": "ranks the model is split across (tensor parallelism): worker processes or Ray actors joined by torch.distributed (gloo); CPU only for now"})
+    distributed_executor_backend: str = attrs.field(default="mp", validator=lambda _, a, v: _one_of(a, v, ("mp", "ray")), metadata={"help": "where tensor-parallel workers run: mp (local processes, default) or ray (Ray actors in a placement group; pip install 'pyagent-framework[ray]')"})
+    data_parallel_size: int = attrs.field(default=1, validator=_positive, metadata={"help": "engine cores (replicas, each with the whole model or its tensor-parallel ranks) behind this front end; each request goes to the replica with the fewest outstanding tokens, or back to the one that cached its prefix"})
+    data_parallel_backend: str = attrs.field(default="mp", validator=lambda _, a, v: _one_of(a, v, ("mp", "ray")), metadata={"help": "where data-parallel replicas run: mp (local processes, default) or ray (Ray actors, one placement group each; pip install 'pyagent-framework[ray]')"})
+    data_parallel_max_restarts: int = attrs.field(default=3, validator=lambda _, a, v: _non_negative(a, v), metadata={"help": "how many times a data-parallel replica that died is started again (0: never); the others serve meanwhile"})
+    ray_address: str | None = attrs.field(default=None, metadata={"help": "the Ray cluster to join: auto (the one running on this machine) or HOST:PORT; default: RAY_ADDRESS, else a Ray instance started for this engine"})
+    ray_placement_timeout: float = attrs.field(default=60.0, validator=_positive, metadata={"help": "seconds to wait for the Ray cluster to reserve a replica's or a worker's CPUs before giving up with what is missing"})
     engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
     def grammar_cache_bytes(self) -> int:

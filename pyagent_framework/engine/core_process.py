@@ -183,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=child_process.watch_stdin, name="pyagent-parent-watch", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us in order
     logging.basicConfig(level=os.environ.get("PYAGENT_CORE_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s [core]: %(message)s")
+    return serve(startup, input_address, output_address)
+
+
+def serve(startup: CoreStartup, input_address: str, output_address: str) -> int:
+    """Build the core, say so, and run it until told to stop (0) or until it failed
+    (:data:`EXIT_DEAD`; 1 if it could not be built). Its own process's ``main`` and a
+    Ray actor (:mod:`.ray_executor`) both run this."""
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         outbox.send(codec.encode(CoreFailed(as_core_error(exc), traceback.format_exc())))
         outbox.close(linger=2000)
+        inbox.close(linger=0)
         return 1
     server = CoreServer(core, inbox, outbox, startup.step_timeout)
     server.send(CoreReady(core.info()))
@@ -211,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         core.close()
         outbox.close(linger=2000)
+        inbox.close(linger=0)
     return 0 if server.stopping else EXIT_DEAD
 
 

@@ -14,10 +14,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence as Seq
 from typing import Any
 
+import attrs
+
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, InprocClient
-from pyagent_framework.engine.errors import InvalidRequestError
+from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.input_processor import InputProcessor
 from pyagent_framework.engine.output_processor import OutputProcessor
@@ -32,10 +34,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, step_timeout: float | None = None, on_dead=None) -> None:
         self.config = config
         if config.engine_process:
-            self.client = ProcessClient(config, step_timeout=step_timeout, on_dead=on_dead)
+            self.client = _process_client(config, step_timeout, on_dead)
             self.core = None
             model_path = loader.resolve_model(config.model, config.gguf_file)
             self.tokenizer, tokenizer_name = setup.load_tokenizer(config, model_path)
+        elif config.data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size {config.data_parallel_size} runs each replica's engine core in a process of "
+                "its own; drop --no-engine-process (engine_process=False) or use data_parallel_size 1",
+                field="engine_process",
+            )
         else:
             self.client = InprocClient(config)
             self.core = self.client.core  # the EngineCore itself, for tests and debugging
@@ -177,6 +185,21 @@ class LLMEngine:
         """Finish queued KV saves and release the connector (when there is one); stop
         the grammar compiler processes and, in process mode, the core process."""
         self.client.close()
+
+
+def _process_client(config: EngineConfig, step_timeout: float | None, on_dead):
+    """The core in a process of its own, or N of them (data parallelism)."""
+    if config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
+        from pyagent_framework.engine.ray_executor import connect
+
+        # The core's process joins the cluster this one is in (or starts here).
+        ray = connect(config, "distributed_executor_backend")
+        config = attrs.evolve(config, ray_address=ray.get_runtime_context().gcs_address)
+    if config.data_parallel_size > 1:
+        from pyagent_framework.engine.data_parallel import DataParallelClient
+
+        return DataParallelClient(config, step_timeout=step_timeout, on_dead=on_dead)
+    return ProcessClient(config, step_timeout=step_timeout, on_dead=on_dead)
 
 
 __all__ = ["EngineDeadError", "LLMEngine"]

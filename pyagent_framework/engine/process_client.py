@@ -52,15 +52,44 @@ SHUTDOWN_SECONDS = 10.0  # how long close() waits for the core to finish (KV sav
 _live_clients: weakref.WeakSet = weakref.WeakSet()
 
 
-class ProcessClient:
-    """The core in a process of its own (``python -m pyagent_framework.engine.core_process``).
+class LocalCore:
+    """The core as a child process of this one: ``python -m
+    pyagent_framework.engine.core_process IN OUT``, its start-up on standard input."""
 
-    The front end binds two ZMQ sockets in a private directory; the core connects, is
-    built, and says it is ready. A reader thread takes every message from the core:
+    transport = "ipc"
+
+    def __init__(self, startup: CoreStartup, input_address: str, output_address: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pyagent_framework.engine.core_process", input_address, output_address],
+            stdin=subprocess.PIPE,
+        )
+        self.name = f"process {self.process.pid}"
+        self.pid = self.process.pid
+        try:
+            child_process.write_startup(self.process, startup)
+        except BaseException:
+            self.stop(kill=True, wait_seconds=SHUTDOWN_SECONDS)
+            raise
+
+    def exit_status(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, *, kill: bool, wait_seconds: float) -> None:
+        child_process.stop(self.process, kill=kill, wait_seconds=wait_seconds)
+
+
+class ProcessClient:
+    """The core in a process of its own (``python -m pyagent_framework.engine.core_process``,
+    or a Ray actor: ``start``).
+
+    The front end binds two ZMQ sockets (in a private directory; on TCP for a core
+    that may run on another host); the core connects, is built, and says it is ready. A reader thread takes every message from the core:
     step outputs are queued for ``get_outputs``, answers resolve their futures. If the
     core process dies, within ``POLL_SECONDS`` every waiter gets EngineDeadError and the
     ``on_dead`` callbacks run. The core dies with its parent (it watches its standard
     input, and Linux's parent-death signal), so it never outlives the front end.
+    ``deliver``, when given, takes each step's outputs instead of ``get_outputs``
+    (several replicas' outputs into one queue).
     """
 
     def __init__(
@@ -69,6 +98,9 @@ class ProcessClient:
         *,
         step_timeout: float | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
+        deliver: Callable[[CoreOutputs], None] | None = None,
+        start: Callable[[CoreStartup, str, str], Any] = LocalCore,
+        host: str = "127.0.0.1",
     ) -> None:
         self.error: BaseException | None = None
         self.step_started = None  # the core process runs its own watchdog
@@ -78,6 +110,7 @@ class ProcessClient:
         self._send_lock = threading.Lock()
         self._dead_lock = threading.Lock()
         self._outputs: queue.Queue = queue.Queue()
+        self._deliver = deliver if deliver is not None else self._outputs.put
         self._grammar_acks: dict[str, concurrent.futures.Future] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = iter(range(1, 2**62))
@@ -87,16 +120,20 @@ class ProcessClient:
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._dir}/input")
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(f"ipc://{self._dir}/output")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pyagent_framework.engine.core_process", f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"],
-            stdin=subprocess.PIPE,
-        )
+        if getattr(start, "transport", "tcp") == "ipc":
+            addresses = [f"ipc://{self._dir}/{name}" for name in ("input", "output")]
+            for sock, address in zip((self._input, self._output), addresses):
+                sock.bind(address)
+        else:
+            addresses = [f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}" for sock in (self._input, self._output)]
         try:
-            child_process.write_startup(self.process, CoreStartup(attrs.asdict(config), step_timeout))
+            self.child = start(CoreStartup(attrs.asdict(config), step_timeout), *addresses)
+        except BaseException:
+            self._release()
+            raise
+        try:
             self.info = self._wait_ready()
         except BaseException:
             self._stop_process(kill=True)
@@ -193,8 +230,9 @@ class ProcessClient:
                     self._input.send(data, zmq.NOBLOCK, copy=False)
                     return
                 except zmq.Again:
-                    if self.process.poll() is not None:
-                        self._die(EngineDeadError(f"the engine core process exited with status {self.process.returncode}"))
+                    code = self.child.exit_status()
+                    if code is not None:
+                        self._die(EngineDeadError(f"the engine core ({self.child.name}) exited with status {code}"))
                     time.sleep(0.001)
 
     def _wait_ready(self) -> CoreInfo:
@@ -208,9 +246,9 @@ class ProcessClient:
                 if isinstance(message, CoreFailed):
                     raise as_exception(message.error)
                 continue
-            code = self.process.poll()
+            code = self.child.exit_status()
             if code is not None:
-                raise EngineDeadError(f"the engine core process exited with status {code} while starting")
+                raise EngineDeadError(f"the engine core ({self.child.name}) exited with status {code} while starting")
 
     def _read(self) -> None:
         while self.error is None:
@@ -219,9 +257,9 @@ class ProcessClient:
             except zmq.ZMQError:
                 return  # closed
             if not ready:
-                code = self.process.poll()
+                code = self.child.exit_status()
                 if code is not None:
-                    self._die(EngineDeadError(f"the engine core process exited with status {code}"))
+                    self._die(EngineDeadError(f"the engine core ({self.child.name}) exited with status {code}"))
                 continue
             try:
                 message = self._from_core.decode(self._output.recv())
@@ -229,7 +267,7 @@ class ProcessClient:
                 self._die(EngineDeadError(f"the engine core's messages cannot be read: {exc}"))
                 return
             if isinstance(message, CoreOutputs):
-                self._outputs.put(message)
+                self._deliver(message)
             elif isinstance(message, GrammarReady):
                 ack = self._grammar_acks.pop(message.request_id, None)
                 if ack is not None and not ack.done():
@@ -263,7 +301,7 @@ class ProcessClient:
                     logger.exception("an on_dead callback failed")
 
     def _stop_process(self, *, kill: bool, release: bool = True) -> None:
-        child_process.stop(self.process, kill=kill, wait_seconds=SHUTDOWN_SECONDS)
+        self.child.stop(kill=kill, wait_seconds=SHUTDOWN_SECONDS)
         if release:
             self._release()
 

@@ -154,6 +154,10 @@ def check_tensor_parallel(config: EngineConfig, device: Any) -> None:
             f"tensor_parallel_size {size} yet",
             field="kv_connector",
         )
+    if config.distributed_executor_backend == "ray":
+        from pyagent_framework.engine.ray_executor import import_ray
+
+        import_ray("distributed_executor_backend")
 
 
 def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device: Any) -> tuple[torch.Tensor, int]:

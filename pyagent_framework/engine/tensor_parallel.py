@@ -1,11 +1,13 @@
-"""Tensor-parallel workers on local processes (``--tensor-parallel-size N``, the ``mp``
-executor): ranks 1 to N-1 of a ``torch.distributed`` group (gloo, over TCP on
-127.0.0.1) whose rank 0 is the engine core itself.
+"""Tensor-parallel workers (``--tensor-parallel-size N``): ranks 1 to N-1 of a
+``torch.distributed`` group (gloo, over TCP) whose rank 0 is the engine core itself.
+They run as local processes (``--distributed-executor-backend mp``, the default; the
+group on 127.0.0.1) or as Ray actors in a placement group (``ray``,
+:class:`~.ray_executor.RayWorkers`).
 
 The engine core builds its rank of the model (:mod:`pyagent_framework.parallel`),
 sizes the KV cache, then starts the workers: ``python -m
 pyagent_framework.engine.tensor_parallel``, each given on its standard input (msgpack,
-never a pickle) the engine configuration, its rank, the names the core resolved, the
+never a pickle; a Ray actor gets the same bytes) the engine configuration, its rank, the names the core resolved, the
 number of KV blocks and the group's address. A worker builds its rank of the model
 and a cache of the same blocks, joins the group, and then runs every step the core
 runs: the core broadcasts each step's :class:`~pyagent_framework.engine.model_runner.StepInputs`
@@ -16,7 +18,8 @@ rank 0: a worker only computes.
 
 A worker that dies breaks the next collective; the core's forward then fails and the
 engine with it (the fault rules: only a forward failure is an engine failure). A worker
-whose core is gone sees its standard input close and exits; one that waits longer than
+process whose core is gone sees its standard input close and exits (Ray ends the
+actors of a core that is gone); one that waits longer than
 :data:`COLLECTIVE_TIMEOUT` for a step's peers gives up.
 """
 
@@ -58,43 +61,64 @@ class WorkerStartup(msgspec.Struct, frozen=True):
     quantization: str | None
 
 
+class LocalWorker:
+    """A worker as a child process of the engine core (the ``mp`` executor)."""
+
+    def __init__(self, startup: WorkerStartup) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pyagent_framework.engine.tensor_parallel"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.pid = self.process.pid
+        self.name = f"pid {self.pid}"
+        child_process.write_startup(self.process, startup)
+
+    def wait_ready(self, rank: int) -> None:
+        """One line once the worker's model and cache are built, or its error."""
+        line = self.process.stdout.readline().decode(errors="replace").strip()
+        if line != "ready":
+            self.process.wait(10)
+            raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {line or f'exit status {self.process.returncode}'}")
+
+    def exit_status(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, *, kill: bool, wait_seconds: float) -> None:
+        child_process.stop(self.process, kill=kill, wait_seconds=wait_seconds)
+
+
 class TensorParallelWorkers:
     """Ranks 1 to ``size - 1``, started by rank 0 (the engine core) once its model and
-    cache exist; joins the group as rank 0 before returning."""
+    cache exist, as local processes or Ray actors (``distributed_executor_backend``);
+    joins the group as rank 0 before returning."""
 
     def __init__(self, config, *, size: int, num_blocks: int, threads: int, attention_backend: str, quantization: str | None) -> None:
         import torch.distributed as dist
 
         self.size = size
-        address = f"tcp://127.0.0.1:{child_process.free_port()}"
-        # gloo's own connections bind to the hostname's address unless told an
-        # interface: loopback, as everything this engine opens by default.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self.processes: list[subprocess.Popen] = []
+        self.workers: list[Any] = []
+        self.launcher = None
+        host = "127.0.0.1"
+        if config.distributed_executor_backend == "ray":
+            from pyagent_framework.engine.ray_executor import RayWorkers
+
+            self.launcher = RayWorkers(config, size, threads)
+            host = self.launcher.host
+        address = f"tcp://{host}:{child_process.free_port(host)}"
+        if host == "127.0.0.1":
+            # gloo's own connections bind to the hostname's address unless told an
+            # interface: loopback, as everything this engine opens by default.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         try:
             for rank in range(1, size):
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "pyagent_framework.engine.tensor_parallel"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                )
-                self.processes.append(process)
-                child_process.write_startup(
-                    process,
-                    WorkerStartup(attrs.asdict(config), rank, size, address, num_blocks, threads, attention_backend, quantization),
-                )
-            for rank, process in enumerate(self.processes, start=1):
-                # One line once the worker's model and cache are built, or its error.
-                line = process.stdout.readline().decode(errors="replace").strip()
-                if line != "ready":
-                    process.wait(10)
-                    raise RuntimeError(
-                        f"tensor-parallel worker {rank} failed to start: {line or f'exit status {process.returncode}'}"
-                    )
+                startup = WorkerStartup(attrs.asdict(config), rank, size, address, num_blocks, threads, attention_backend, quantization)
+                self.workers.append(self.launcher.start(startup) if self.launcher is not None else LocalWorker(startup))
+            for rank, worker in enumerate(self.workers, start=1):
+                worker.wait_ready(rank)
             dist.init_process_group("gloo", init_method=address, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
         except BaseException:
             self._stop(kill=True)
             raise
-        logger.info("tensor parallel: %d ranks (workers %s)", size, [p.pid for p in self.processes])
+        logger.info("tensor parallel: %d ranks (workers %s)", size, [worker.name for worker in self.workers])
 
     def send_step(self, inputs: StepInputs) -> None:
         """Broadcast one step's inputs to every worker."""
@@ -112,16 +136,16 @@ class TensorParallelWorkers:
             _broadcast(tensor.contiguous())
 
     def _check_alive(self) -> None:
-        dead = [(p.pid, p.returncode) for p in self.processes if p.poll() is not None]
+        dead = [(worker.name, status) for worker in self.workers if (status := worker.exit_status()) is not None]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'pid {pid} (status {rc})' for pid, rc in dead)}")
+            raise RuntimeError(f"tensor-parallel worker(s) exited: {', '.join(f'{name} (status {rc})' for name, rc in dead)}")
 
     def close(self) -> None:
         """Stop the workers (a stop message when the group still works) and leave the group."""
         import torch.distributed as dist
 
         try:
-            if all(p.poll() is None for p in self.processes):
+            if all(worker.exit_status() is None for worker in self.workers):
                 _broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
         except Exception:  # a broken group: the workers are killed below
             pass
@@ -130,8 +154,10 @@ class TensorParallelWorkers:
             dist.destroy_process_group()
 
     def _stop(self, *, kill: bool) -> None:
-        for process in self.processes:
-            child_process.stop(process, kill=kill, wait_seconds=10.0)
+        for worker in self.workers:
+            worker.stop(kill=kill, wait_seconds=10.0)
+        if self.launcher is not None:
+            self.launcher.close()
 
 
 def _broadcast(tensor: torch.Tensor) -> None:
@@ -165,43 +191,53 @@ def _receive_step() -> StepInputs | None:
     )
 
 
-def main() -> int:
-    import torch.distributed as dist
-
+def build_rank(startup: WorkerStartup):
+    """This rank's model and KV cache (the same blocks as rank 0's)."""
     from pyagent_framework import parallel
     from pyagent_framework.engine import loader, setup
     from pyagent_framework.engine.config import EngineConfig
 
+    torch.set_num_threads(startup.threads)
+    config = EngineConfig(**startup.config)
+    path = loader.resolve_model(config.model, config.gguf_file)
+    weight_format = loader.choose_weight_format(path, config.weight_format)
+    with parallel.building(parallel.TensorParallel(startup.rank, startup.size)):
+        model = loader.build_model(
+            path, weight_format.load_config(path), weight_format=weight_format,
+            attention_backend=startup.attention_backend, quantization=startup.quantization,
+            quantization_config=config.quantization_config, dtype=config.dtype, device="cpu",
+        )
+    config = attrs.evolve(config, num_kv_blocks=startup.num_blocks)
+    kv_cache, _ = setup.allocate_kv_cache(config, model, 0, "cpu")
+    return model, list(kv_cache.unbind(0)), config.block_size
+
+
+def run_steps(startup: WorkerStartup, model, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    """Join the group and run every step rank 0 broadcasts, until it says stop."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=startup.address, rank=startup.rank, world_size=startup.size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    with torch.inference_mode():
+        while (inputs := _receive_step()) is not None:
+            run_step(model, kv_caches, block_size, inputs, "cpu")
+    dist.destroy_process_group()
+
+
+def main() -> int:
     child_process.die_with_parent()
     startup = child_process.read_startup(WorkerStartup)
     threading.Thread(target=child_process.watch_stdin, name="pyagent-rank0-watch", daemon=True).start()
     logging.basicConfig(level=os.environ.get("PYAGENT_CORE_LOG_LEVEL", "WARNING"),
                         format=f"%(levelname)s %(name)s [rank {startup.rank}]: %(message)s")
-    torch.set_num_threads(startup.threads)
     try:
-        config = EngineConfig(**startup.config)
-        path = loader.resolve_model(config.model, config.gguf_file)
-        weight_format = loader.choose_weight_format(path, config.weight_format)
-        with parallel.building(parallel.TensorParallel(startup.rank, startup.size)):
-            model = loader.build_model(
-                path, weight_format.load_config(path), weight_format=weight_format,
-                attention_backend=startup.attention_backend, quantization=startup.quantization,
-                quantization_config=config.quantization_config, dtype=config.dtype, device="cpu",
-            )
-        config = attrs.evolve(config, num_kv_blocks=startup.num_blocks)
-        kv_cache, _ = setup.allocate_kv_cache(config, model, 0, "cpu")
-        kv_caches = list(kv_cache.unbind(0))
+        built = build_rank(startup)
     except Exception as exc:  # rank 0 reports it, by rank
         os.write(1, f"{type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")
         return 1
     os.write(1, b"ready\n")
     os.dup2(2, 1)  # rank 0 reads no more of our stdout: anything printed later goes to stderr
-    dist.init_process_group("gloo", init_method=startup.address, rank=startup.rank, world_size=startup.size,
-                            timeout=COLLECTIVE_TIMEOUT)
-    with torch.inference_mode():
-        while (inputs := _receive_step()) is not None:
-            run_step(model, kv_caches, config.block_size, inputs, "cpu")
-    dist.destroy_process_group()
+    run_steps(startup, *built)
     return 0
 
 

@@ -134,15 +134,34 @@ class _EngineCollector:
         return []  # collected lazily: describing must not touch the engine
 
     def collect(self):
+        """Each gauge and counter per replica (label ``replica``: "0" for one engine
+        core; with data parallelism each core's own, a dead one's at zero)."""
         stats = self.stats()
+        replicas = stats.get("replicas") or [{**stats, "replica": 0}]
+        labels = ["model_name", "replica"]
         for name, (key, doc) in self.GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for replica in replicas:
+                family.add_metric([self.model_name, str(replica["replica"])], float(replica.get(key, 0.0)))
             yield family
         for name, (key, doc) in self.COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats.get(key, 0)))
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for replica in replicas:
+                family.add_metric([self.model_name, str(replica["replica"])], float(replica.get(key, 0)))
             yield family
+        if "replicas" in stats:  # data parallelism: which replicas serve, and their balancer load
+            up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves", labels=labels)
+            load = GaugeMetricFamily(
+                PREFIX + "replica_outstanding_tokens", "Tokens the balancer counts as still to compute on the replica", labels=labels
+            )
+            for replica in replicas:
+                up.add_metric([self.model_name, str(replica["replica"])], float(replica["alive"]))
+                load.add_metric([self.model_name, str(replica["replica"])], float(replica["outstanding_tokens"]))
+            yield up
+            yield load
+            restarts = CounterMetricFamily(PREFIX + "replica_restarts", "Data-parallel replicas started again after dying", labels=["model_name"])
+            restarts.add_metric([self.model_name], float(stats.get("data_parallel_restarts", 0)))
+            yield restarts
         events = {
             key.removeprefix("kv_connector_"): value
             for key, value in stats.items()

@@ -73,6 +73,14 @@ class Server:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
+    def metric_total(self, name: str) -> float:
+        """The sum of every sample of metric ``name`` (over its labels: replicas)."""
+        _, text = self.get("/metrics")
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name]
+        if not values:
+            raise KeyError(name)
+        return sum(values)
+
 
 @contextmanager
 def server_process(*args: str, startup_timeout: float = 300.0, env: dict[str, str] | None = None):
