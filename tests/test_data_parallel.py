@@ -86,6 +86,20 @@ def test_affinity_is_salted_per_tenant_and_skips_dead_replicas():
     assert balancer.choose(add("d", system)) is None
 
 
+def test_the_other_routing_policies_ignore_prefixes():
+    system = list(range(3 * BLOCK))
+    robin = Balancer(3, BLOCK, "round_robin")
+    robin.live = {0, 1, 2}
+    robin.load = [900, 0, 0]  # round robin does not look at load either
+    assert [place(robin, add(f"r{i}", system)) for i in range(4)] == [0, 1, 2, 0]
+    robin.live.discard(1)
+    assert [robin.choose(add(f"s{i}", system)) for i in range(3)] == [2, 0, 2]
+    least = Balancer(2, BLOCK, "least_loaded")
+    least.live = {0, 1}
+    first = place(least, add("a", system))
+    assert least.choose(add("b", system)) == 1 - first and least.affinity_choices == 0
+
+
 def test_a_batch_splits_into_requests_and_a_requests_samples_stay_together():
     items = [_Tracked(add(name, [1], sample=sample), None) for name, sample in
              [("a", 0), ("a-1", 1), ("a-2", 2), ("b", 0), ("c", 0), ("c-1", 1)]]

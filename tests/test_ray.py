@@ -32,18 +32,35 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 @pytest.fixture(scope="module")
 def cluster():
-    """``ray start --head`` with 2 CPUs; yields its address."""
+    """``ray start --head --block`` with 2 CPUs (its Ray processes end with it);
+    yields its address."""
+    import socket
+
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard", "false",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True)
-    address = f"127.0.0.1:{port}"
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port),
+                             "--include-dashboard", "false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        yield address
+        deadline = time.time() + 60
+        while True:
+            assert head.poll() is None, f"ray start exited with {head.returncode}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, "ray start --head did not listen within 60 s"
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)
+        head.terminate()  # it stops the head's processes
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +126,25 @@ def test_tensor_parallel_workers_as_ray_actors_decode_as_one_rank(cluster, path)
     assert_same_greedy(got, want, 1e-4)
     for row, want_row in zip(got_prompt, want_prompt, strict=True):
         assert row == pytest.approx(want_row, abs=1e-4)
+
+
+def test_smollm2_on_three_ranks_with_ray_workers_decodes_as_on_one(cluster):
+    """The embedded SmolLM2, packed, with exact activations: two workers as Ray actors
+    (one CPU each, the head's two) and rank 0 in this process give the one-rank
+    engine's tokens, logprobs within 1e-4."""
+    from pyagent_framework.engine.loader import resolve_model
+
+    prompts = ["The capital of France is", "def fib(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    results = []
+    for options in ({}, {"tensor_parallel_size": 3, "distributed_executor_backend": "ray", "ray_address": cluster}):
+        llm = LLM(resolve_model(None), engine_process=False, kv_cache_memory="64MiB", max_model_len=256,
+                  quantization_config={"activations": "float32"}, **options)
+        try:
+            results.append(engine_greedy(llm, prompts, params))
+        finally:
+            llm.close()
+    assert_same_greedy(results[1], results[0], 1e-4)
 
 
 def test_a_cluster_without_the_cpus_times_out_naming_what_is_missing(cluster, path):

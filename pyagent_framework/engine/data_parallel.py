@@ -59,8 +59,9 @@ class Balancer:
     them) to the replica that last received them.
     """
 
-    def __init__(self, size: int, block_size: int) -> None:
+    def __init__(self, size: int, block_size: int, routing: str = "cache_aware") -> None:
         self.size = size
+        self.routing = routing
         self.block_size = block_size
         self.load = [0] * size
         self.requests = [0] * size  # unfinished sequences sent to each
@@ -90,7 +91,12 @@ class Balancer:
         """The replica for ``request`` (None when none is live); remembers its blocks."""
         if not self.live:
             return None
-        hashes = self.block_hashes(request)
+        if self.routing == "round_robin":
+            chosen = next(i % self.size for i in range(self._next, self._next + self.size) if i % self.size in self.live)
+            self._next = (chosen + 1) % self.size
+            self.load_choices += 1
+            return chosen
+        hashes = self.block_hashes(request) if self.routing == "cache_aware" else []
         least = min(self.live, key=lambda i: (self.load[i], self.requests[i], (i - self._next) % self.size))
         chosen = least
         for depth in range(len(hashes), 0, -1):
@@ -176,7 +182,7 @@ class DataParallelClient:
         self._closed = False
         self.max_restarts = config.data_parallel_max_restarts
         self.replicas: list[Any] = [None] * self.size
-        self.balancer = Balancer(self.size, config.block_size)
+        self.balancer = Balancer(self.size, config.block_size, config.data_parallel_routing)
         if config.data_parallel_backend == "ray":
             from pyagent_framework.engine.ray_executor import RayReplicas
 
