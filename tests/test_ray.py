@@ -7,6 +7,7 @@ tests/test_ray_cluster.py."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -126,6 +127,25 @@ def test_tensor_parallel_workers_as_ray_actors_decode_as_one_rank(cluster, path)
     assert_same_greedy(got, want, 1e-4)
     for row, want_row in zip(got_prompt, want_prompt, strict=True):
         assert row == pytest.approx(want_row, abs=1e-4)
+
+
+def test_a_ray_worker_that_dies_fails_the_engine_by_name(cluster, path):
+    from pyagent_framework.engine.faults import ModelForwardError
+
+    llm = LLM(path, kv_cache_memory="8MiB", engine_process=False, tensor_parallel_size=2,
+              distributed_executor_backend="ray", ray_address=cluster)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        [worker] = llm.engine.core.workers.workers
+        os.kill(worker.pid, signal.SIGKILL)  # the actor is busy running steps: its pid is known from its load
+        deadline = time.time() + 30
+        while worker.exit_status() is None and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ModelForwardError, match=re.escape(f"tensor-parallel worker(s) exited: {worker.name}")):
+            llm.generate([[5, 6, 7]], params)
+    finally:
+        llm.close()
 
 
 def test_smollm2_on_three_ranks_with_ray_workers_decodes_as_on_one(cluster):

@@ -58,10 +58,11 @@ def connect(config: EngineConfig, field: str):
     ray = import_ray(field)
     if not ray.is_initialized():
         try:
-            ray.init(address=config.ray_address, include_dashboard=False, logging_level=logging.WARNING,
+            address = config.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=False)
         except ConnectionError as exc:
-            raise ConfigError(f"ray_address {config.ray_address!r}: cannot join the Ray cluster: {exc}",
+            raise ConfigError(f"ray_address {address!r}: cannot join the Ray cluster: {exc}",
                               field="ray_address") from None
     return ray
 
@@ -210,21 +211,20 @@ class WorkerActor:
     """A Ray actor that holds one tensor-parallel rank: ``load`` builds it, ``run``
     joins the group and computes every step (:mod:`.tensor_parallel`)."""
 
-    def load(self, startup: bytes) -> None:
+    def load(self, startup: bytes) -> int:
+        """Build the rank; returns this process's pid."""
         from pyagent_framework.engine import tensor_parallel
 
         self.startup = msgspec.msgpack.decode(startup, type=tensor_parallel.WorkerStartup)
-        if self.startup.address.startswith("tcp://127.0.0.1:"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        tensor_parallel.choose_gloo_interface(self.startup.address.removeprefix("tcp://").rsplit(":", 1)[0])
         self.built = tensor_parallel.build_rank(self.startup)
+        return os.getpid()
 
     def run(self) -> None:
         from pyagent_framework.engine import tensor_parallel
 
         tensor_parallel.run_steps(self.startup, *self.built)
 
-    def pid(self) -> int:
-        return os.getpid()
 
 
 class RayWorker:
@@ -235,13 +235,15 @@ class RayWorker:
         self.name = f"Ray actor {actor._actor_id.hex()[:12]}"
         self.loaded = actor.load.remote(msgspec.msgpack.encode(startup))
         self.ref = None
+        self.pid = None
 
     def wait_ready(self, rank: int) -> None:
         try:
-            self.ray.get(self.loaded)
+            self.pid = self.ray.get(self.loaded)
         except self.ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None) or exc
             raise RuntimeError(f"tensor-parallel worker {rank} ({self.name}) failed to start: {cause}") from None
+        self.name += f" (pid {self.pid})"
         self.ref = self.actor.run.remote()
 
     def exit_status(self) -> int | None:

@@ -104,10 +104,7 @@ class TensorParallelWorkers:
             self.launcher = RayWorkers(config, size, threads)
             host = self.launcher.host
         address = f"tcp://{host}:{child_process.free_port(host)}"
-        if host == "127.0.0.1":
-            # gloo's own connections bind to the hostname's address unless told an
-            # interface: loopback, as everything this engine opens by default.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        choose_gloo_interface(host)
         try:
             for rank in range(1, size):
                 startup = WorkerStartup(attrs.asdict(config), rank, size, address, num_blocks, threads, attention_backend, quantization)
@@ -158,6 +155,41 @@ class TensorParallelWorkers:
             worker.stop(kill=kill, wait_seconds=10.0)
         if self.launcher is not None:
             self.launcher.close()
+
+
+def choose_gloo_interface(peer: str) -> None:
+    """gloo's own connections bind to the hostname's address unless told an interface
+    (GLOO_SOCKET_IFNAME): unless it is set, loopback for a group on 127.0.0.1 (as
+    everything this engine opens by default), else the interface this host reaches
+    rank 0's address ``peer`` through."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    name = "lo" if peer == "127.0.0.1" else _interface_towards(peer)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def _interface_towards(peer: str) -> str | None:
+    """The name of the interface holding the address this host sends to ``peer`` from
+    (Linux; None elsewhere or when none matches)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((peer, 9))  # no packet is sent: this only picks the route
+            local = probe.getsockname()[0]
+        except OSError:
+            return None
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(answer[20:24]) == local:
+                return name
+    return None
 
 
 def _broadcast(tensor: torch.Tensor) -> None:
