@@ -51,25 +51,28 @@ def test_requests_without_a_known_prefix_go_to_the_least_loaded_replica():
 
 
 def test_a_request_goes_back_to_the_replica_that_has_its_prefix_while_the_load_difference_is_small():
-    balancer = Balancer(2, BLOCK)
+    balancer = Balancer(2, BLOCK, step_tokens=256)
     balancer.live = {0, 1}
     system = list(range(100, 100 + 4 * BLOCK))  # four whole blocks
     first = place(balancer, add("a", system + [1, 2, 3]))
     assert balancer.load[first] > balancer.load[1 - first] == 0
     assert place(balancer, add("b", system + [4, 5])) == first
     assert balancer.affinity_choices == 1
-    # The bound: 1.5 x the least loaded replica's load, plus the prefix, plus 256 tokens.
+    # The bound: 1.5 x the least loaded replica's load, plus the prefix, plus one step's tokens.
     balancer.load = [1000, 1000]
     balancer.load[first] = 1000 * 1.5 + 4 * BLOCK + 256
     assert balancer.choose(add("c", system + [6])) == first
     balancer.load[first] += 1
     assert balancer.choose(add("d", system + [7])) == 1 - first
+    # That spill does not move the prefix's home: with the load even again, it goes back.
+    balancer.load = [1000, 1000]
+    assert balancer.choose(add("e", system + [8])) == first
     # The deepest block known decides: a shorter shared prefix is worth less.
     balancer.load = [0, 0]
     balancer.owner.clear()
-    other = place(balancer, add("e", system[:BLOCK] + [8] * 40), load=0)
+    other = place(balancer, add("f", system[:BLOCK] + [8] * 40), load=0)
     balancer.load[other] = BLOCK + 256 + 1
-    assert balancer.choose(add("f", system[:BLOCK] + [9] * 40)) == 1 - other
+    assert balancer.choose(add("g", system[:BLOCK] + [9] * 40)) == 1 - other
 
 
 def test_affinity_is_salted_per_tenant_and_skips_dead_replicas():

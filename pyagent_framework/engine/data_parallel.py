@@ -45,9 +45,9 @@ AFFINITY_BLOCKS = 64  # most leading prompt blocks remembered per request
 AFFINITY_ENTRIES = 1 << 17  # most block hashes remembered (least recently used out)
 RESENDS = 1  # how many times a request whose replica died is sent again
 #: A replica that holds a request's prefix gets it while its load is at most this many
-#: times the least loaded replica's, plus the prefix's tokens, plus AFFINITY_SLACK tokens.
+#: times the least loaded replica's, plus the prefix's tokens, plus one step's token
+#: budget (max_num_batched_tokens).
 AFFINITY_RATIO = 1.5
-AFFINITY_SLACK = 256
 
 
 class Balancer:
@@ -56,12 +56,14 @@ class Balancer:
     ``load[i]``: the tokens replica ``i`` still has to compute for the requests sent
     to it (whole prompts until their first output, then tokens left to generate).
     ``owner``: leading prompt-block hashes (chained, salted as the prefix cache salts
-    them) to the replica that last received them.
+    them) to the replica that first received them (while it lives): a prefix has one
+    home, and a request sent elsewhere because its home was busy does not move it.
     """
 
-    def __init__(self, size: int, block_size: int, routing: str = "cache_aware") -> None:
+    def __init__(self, size: int, block_size: int, routing: str = "cache_aware", step_tokens: int = 2048) -> None:
         self.size = size
         self.routing = routing
+        self.step_tokens = step_tokens
         self.block_size = block_size
         self.load = [0] * size
         self.requests = [0] * size  # unfinished sequences sent to each
@@ -83,9 +85,10 @@ class Balancer:
 
     def affinity_bound(self, least: int, prefix_tokens: int) -> float:
         """The most load a replica holding ``prefix_tokens`` of a request's prompt may
-        carry and still get it: a small difference costs less than computing the
-        prefix again; a large one would pile a popular prefix onto one replica."""
-        return self.load[least] * AFFINITY_RATIO + prefix_tokens + AFFINITY_SLACK
+        carry and still get it: a difference one step absorbs costs less than
+        computing the prefix again; a large one would pile a popular prefix onto one
+        replica."""
+        return self.load[least] * AFFINITY_RATIO + prefix_tokens + self.step_tokens
 
     def choose(self, request: AddRequest) -> int | None:
         """The replica for ``request`` (None when none is live); remembers its blocks."""
@@ -110,8 +113,10 @@ class Balancer:
         else:
             self.load_choices += 1
             self._next = (least + 1) % self.size
-        for digest in hashes:
-            self.owner[digest] = chosen
+        for digest in hashes:  # a block keeps its live owner: one request spilled elsewhere does not move it
+            owner = self.owner.get(digest)
+            if owner is None or owner not in self.live:
+                self.owner[digest] = chosen
             self.owner.move_to_end(digest)
         while len(self.owner) > AFFINITY_ENTRIES:
             self.owner.popitem(last=False)
@@ -182,7 +187,7 @@ class DataParallelClient:
         self._closed = False
         self.max_restarts = config.data_parallel_max_restarts
         self.replicas: list[Any] = [None] * self.size
-        self.balancer = Balancer(self.size, config.block_size, config.data_parallel_routing)
+        self.balancer = Balancer(self.size, config.block_size, config.data_parallel_routing, config.max_num_batched_tokens)
         if config.data_parallel_backend == "ray":
             from pyagent_framework.engine.ray_executor import RayReplicas
 
