@@ -158,15 +158,18 @@ def path(tmp_path_factory):
     return tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny"))
 
 
-def test_two_replicas_give_one_engines_tokens(path):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_two_replicas_give_one_engines_tokens(path, tensor_parallel_size):
     """An ``LLM.generate`` batch spreads over both replicas; every request decodes as on
-    one engine (same tokens, logprobs within 1e-4) whichever replica ran it."""
+    one engine (same tokens, logprobs within 1e-4) whichever replica ran it; also
+    when each replica is itself split over two ranks (four processes)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = parity_prompts(2)
     one = LLM(path, kv_cache_memory="8MiB")
     want = engine_greedy(one, prompts, params)
     one.close()
-    llm = LLM(path, kv_cache_memory="8MiB", data_parallel_size=2, engine_process=True)
+    llm = LLM(path, kv_cache_memory="8MiB", data_parallel_size=2, engine_process=True,
+              tensor_parallel_size=tensor_parallel_size)
     try:
         assert_same_greedy(engine_greedy(llm, prompts, params), want, 1e-4)
         stats = llm.engine.stats()

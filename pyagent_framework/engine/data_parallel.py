@@ -36,6 +36,7 @@ from typing import Any, Callable
 import attrs
 
 from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.engine.process_client import LocalCore, ProcessClient, take_output
 from pyagent_framework.errors import EngineDeadError
 from pyagent_framework.messages import AddRequest, CoreError, CoreOutput, CoreOutputs, ErrorCode
 
@@ -158,8 +159,6 @@ class LocalReplicas:
     def replica(self, index: int, config: EngineConfig) -> tuple[EngineConfig, Any, str]:
         """Replica ``index``'s configuration, how to start its core, and the host its
         core reaches the front end's sockets on."""
-        from pyagent_framework.engine.process_client import LocalCore
-
         return attrs.evolve(config, num_threads=self.threads), LocalCore, "127.0.0.1"
 
     def close(self) -> None:
@@ -214,8 +213,6 @@ class DataParallelClient:
                     [client.info.pid for client in started])
 
     def _start(self, index: int):
-        from pyagent_framework.engine.process_client import ProcessClient
-
         config, start, host = self.launcher.replica(index, self._config)
         return ProcessClient(
             config, step_timeout=self._step_timeout, start=start, host=host,
@@ -279,14 +276,7 @@ class DataParallelClient:
         self._outputs.put(None)
 
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            self._outputs.put(item)
-            raise item
-        return item
+        return take_output(self._outputs, timeout)
 
     def stats(self) -> dict[str, Any]:
         """Every live replica's counters summed (ratios recomputed), and each one's under

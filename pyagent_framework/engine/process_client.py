@@ -177,14 +177,7 @@ class ProcessClient:
         self._outputs.put(None)
 
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            self._outputs.put(item)  # every later call sees it too
-            raise item
-        return item
+        return take_output(self._outputs, timeout)
 
     def stats(self) -> dict[str, Any]:
         if self.error is None:
@@ -310,6 +303,19 @@ class ProcessClient:
             sock.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def take_output(outputs: queue.Queue, timeout: float | None) -> CoreOutputs | None:
+    """The next step's outputs from ``outputs`` (None: none within ``timeout``, or a
+    wake-up); an error put there raises, now and for every later call."""
+    try:
+        item = outputs.get(timeout=timeout)
+    except queue.Empty:
+        return None
+    if isinstance(item, BaseException):
+        outputs.put(item)
+        raise item
+    return item
 
 
 def close_all() -> None:
