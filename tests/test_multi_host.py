@@ -82,6 +82,9 @@ def test_tensor_parallel_across_two_network_namespaces(tmp_path):
         pytest.skip("iproute2's `ip` is not installed")
     if importlib.util.find_spec("ray") is None:
         pytest.skip("the [ray] extra is not installed")
+    from tests import ray_setup
+
+    ray_setup.prepare()  # a token for the head's authentication
     checkpoint = tiny_checkpoint("qwen2", tmp_path / "tiny")
     head_ns, node_ns = f"pyagent-tp-a-{os.getpid()}", f"pyagent-tp-b-{os.getpid()}"
     probe = _ip("netns", "add", head_ns, check=False)

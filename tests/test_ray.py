@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-# A head from `ray start` authenticates by token; a driver sends it when told to on
-# import (the engine says so itself when it is first to import Ray).
-os.environ.setdefault("RAY_AUTH_MODE", "token")
+from tests import ray_setup  # noqa: E402
+
+ray_setup.prepare()  # a token for the head's authentication, before Ray is imported
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from pyagent_framework import LLM, SamplingParams  # noqa: E402

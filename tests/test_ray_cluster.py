@@ -5,11 +5,11 @@ engine decodes as one engine."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "token")  # as in tests/test_ray.py
+from tests import ray_setup  # noqa: E402
+
+ray_setup.prepare()  # as in tests/test_ray.py
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 from pyagent_framework import LLM, SamplingParams  # noqa: E402
