@@ -83,8 +83,9 @@ class ProcessClient:
     or a Ray actor: ``start``).
 
     The front end binds two ZMQ sockets (in a private directory; on TCP for a core
-    that may run on another host); the core connects, is built, and says it is ready. A reader thread takes every message from the core:
-    step outputs are queued for ``get_outputs``, answers resolve their futures. If the
+    that may run on another host); the core connects, is built, and says it is
+    ready. A reader thread takes every message from the core: step outputs are
+    queued for ``get_outputs``, answers resolve their futures. If the
     core process dies, within ``POLL_SECONDS`` every waiter gets EngineDeadError and the
     ``on_dead`` callbacks run. The core dies with its parent (it watches its standard
     input, and Linux's parent-death signal), so it never outlives the front end.
