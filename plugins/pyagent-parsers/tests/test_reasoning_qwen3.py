@@ -23,6 +23,8 @@ SAMPLES = [
     "Just an answer, no thinking at all. 1 < 2 and </thi is no tag.",
     '<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
     "  \n<think>Whitespace before the tag.</think>Then the answer.",
+    'The prompt opened the block and the model forgot to close it.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    'Sure, calling it.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
 ]
 
 
@@ -54,7 +56,8 @@ def stream(parser, pieces):
 class TestQwen3Contract(ReasoningParserContract):
     parser_name = "qwen3"
     samples = SAMPLES
-    pieces = ["<think>", "</think>", "<think>\n", "\n</think>\n\n", "</th", "<thi", "\n", " ", "answer", "思考", "<", ">"]
+    pieces = ["<think>", "</think>", "<think>\n", "\n</think>\n\n", "</th", "<thi", "\n", " ", "answer", "思考", "<", ">",
+              "<tool_call>", "<tool_c", "</tool_call>"]
     prompts = ["", "<|im_start|>assistant\n<think>\n", OPENED, CLOSED]
 
 
@@ -268,3 +271,25 @@ def test_is_reasoning_end_step_by_step_is_linear():
     assert time.perf_counter() - began < 2.0
     assert parser.is_reasoning_end(Prefix(out + ids("</think>"), len(out) + 8))
     assert make(PLAIN).is_reasoning_end(Prefix(out, 5))
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_reasoning_the_model_leaves_unclosed_ends_at_a_tool_call():
+    """The prompt opened ``<think>`` and the model went straight to a call without
+    ``</think>``: the reasoning ends at ``<tool_call>``, which starts the content
+    (where the tool parser finds the call), streamed or whole."""
+    text = "I need the weather tool.\n" + CALL
+    assert split(text, OPENED) == ("I need the weather tool.", CALL)
+    assert split("<think>Checking.\n" + CALL) == ("Checking.", CALL)
+    # A closed section keeps its rule: the call is in the answer after </think>.
+    assert split("<think>Checking.</think>\n\n" + CALL) == ("Checking.", CALL)
+    # With no opening tag, text before a call is content, not reasoning.
+    assert split("Calling it.\n" + CALL) == (None, "Calling it.\n" + CALL)
+    parser = make(OPENED)
+    deltas = [d for d in stream(parser, ["I need the weather tool.\n<tool", "_call>\n{", '"name": "x"}']) if d]
+    assert "".join(r or "" for r, _ in deltas) == "I need the weather tool."
+    assert "".join(c or "" for _, c in deltas) == '<tool_call>\n{"name": "x"}'
+    # The grammar may start: the reasoning is over.
+    assert make(OPENED).is_reasoning_end(CharTokenizer().encode("I need the weather tool.\n<tool_call>"))

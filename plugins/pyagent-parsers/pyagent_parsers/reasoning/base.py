@@ -86,6 +86,9 @@ class MarkerReasoningParser(ReasoningParser):
     start_markers: tuple[str, ...] = ()
     #: Markers that close it.
     end_markers: tuple[str, ...] = ()
+    #: Markers that close it when the model skipped its end marker, and stay in the
+    #: content (a tool-call opener: the tool parser reads the call after the reasoning).
+    kept_end_markers: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -93,7 +96,10 @@ class MarkerReasoningParser(ReasoningParser):
             raise TypeError(f"{type(self).__name__} sets no end markers")
         by_length = sorted(self.end_markers, key=len, reverse=True)
         self._end_re = re.compile("|".join(re.escape(m) for m in by_length))
-        self._end_len = len(by_length[0])
+        self._stops = (*self.end_markers, *self.kept_end_markers)
+        self._stop_re = re.compile("|".join(re.escape(m) for m in sorted(self._stops, key=len, reverse=True)))
+        self._kept = frozenset(self.kept_end_markers)
+        self._end_len = max(len(m) for m in self._stops)
         self._prompt_ids: Sequence[int] = ()
         self._request: Any = None
         self._stream: _Scan | None = None
@@ -162,17 +168,18 @@ class MarkerReasoningParser(ReasoningParser):
                 s.started = s.state != _REASONING  # verbatim content: no whitespace dropped
                 continue
             if s.state == _REASONING:
-                match = self._end_re.search(text, s.pos)
+                match = self._stop_re.search(text, s.pos)
                 if match is not None:
                     end = match.start()
                 elif final:
                     end = len(text)
                 else:
-                    end = len(text) - partial_suffix(text[s.pos :], self.end_markers)
+                    end = len(text) - partial_suffix(text[s.pos :], self._stops)
                 self._reason(s, text, end, reasoning)
                 if match is None:
                     break
-                s.state, s.pos, s.started = _CONTENT, match.end(), False
+                kept = match.group() in self._kept  # the content starts with it
+                s.state, s.pos, s.started = _CONTENT, match.start() if kept else match.end(), kept
                 continue
             if s.state == _UNDECIDED:
                 match = self._end_re.search(text, s.search_from)
@@ -285,5 +292,5 @@ class _EndCheck:
         except Exception:  # ids the tokenizer cannot decode: not past the reasoning yet
             return False
         self.seen = len(ids)
-        self.ended = parser._end_re.search(text) is not None
+        self.ended = parser._stop_re.search(text) is not None
         return self.ended

@@ -24,6 +24,11 @@ starts at once (the model answers without reasoning).
 Reasoning is stripped of surrounding whitespace, the answer after ``</think>`` of
 leading whitespace.
 
+A reasoning section the model leaves without ``</think>`` ends at ``<tool_call>``
+(Qwen3 models call tools that way): the call opener starts the content, where the
+tool parser reads it. Under rule 4 ``<tool_call>`` ends nothing: without an opening
+tag, text before a call is content.
+
 Streaming: rules 1-3 send reasoning at once (holding back only what may be the
 start of a marker, and trailing whitespace). Rule 4 cannot tell reasoning from
 answer until ``</think>`` comes or the output ends, so it holds the whole output
@@ -44,6 +49,7 @@ _OPENED = re.compile(r"<think>\s*\Z")
 class Qwen3ReasoningParser(MarkerReasoningParser):
     start_markers = ("<think>",)
     end_markers = ("</think>",)
+    kept_end_markers = ("<tool_call>",)
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
