@@ -45,10 +45,12 @@ MAX_DEPTH = 64
 class Found:
     """What :meth:`ScanningToolParser.parse_call` read from ``start`` to ``end``:
     ``calls`` as (name, arguments JSON text), or None when ``text[start:end]`` is
-    content after all."""
+    content after all. With calls, ``content`` is what of the span could not be read
+    (a bad call beside good ones), sent as content before them."""
 
     end: int
     calls: list[tuple[str, str]] | None = None
+    content: str = ""
 
 
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
@@ -272,6 +274,7 @@ class ScanningToolParser(ToolParser):
             if found.calls is None:
                 content.append(text[start : found.end])
             else:
+                content.append(found.content)
                 calls.extend(found.calls)
             pos = found.end
 

@@ -21,6 +21,8 @@ SAMPLES = [
     "[run_code(code='''print(\"hi\")\nfor i in range(3):\n    print(i)  # ]''')]",
     '<|python_start|>[get_time()]',
     "[os.system(cmd='ls')]",
+    '[f(a=b"x"), g(b=1), h(c="ok, fine")]',
+    "<|python_start|>[g(b=1), f(a=1e999)]<|python_end|> done",
 ]
 
 
@@ -117,6 +119,22 @@ def test_cut_off_and_malformed_lists_are_content():
         "[f(a='\0')]\0",
     ):
         assert parse(text) == (text, [], []), text
+
+
+def test_a_bad_call_does_not_take_its_good_neighbours_with_it():
+    """Issue 25's class "pythonic, one bad call": a bytes literal, a float too large
+    or a syntax error in one call left the whole list as content."""
+    def read(text):
+        content, calls, _ = parse(text)
+        return content, [(name, json.loads(arguments)) for name, arguments in calls]
+
+    good = [("g", {"b": 1}), ("h", {"c": "ok"})]
+    assert read('[f(a=b"x"), g(b=1), h(c="ok")]') == ('f(a=b"x")', good)
+    assert read('[g(b=1), f(a=1e999), h(c="ok")]') == ("f(a=1e999)", good)
+    assert read('[g(b=1), f(a=), h(c="ok")]') == ("f(a=)", good)
+    assert read("<|python_start|>[g(b=1), f(a=b'x', z=2), h(c=\"ok\")]<|python_end|>") == ("f(a=b'x', z=2)", good)
+    # A list with an element that is no call at all is not a call list.
+    assert parse("[g(b=1), 3]") == ("[g(b=1), 3]", [], [])
 
 
 def test_a_tag_without_a_call_list_is_content():

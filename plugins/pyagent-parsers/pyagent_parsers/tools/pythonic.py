@@ -13,7 +13,10 @@ repeated keyword), each value a literal (``ast.literal_eval``) that JSON can hol
 strings, numbers (finite), ``True``/``False``/``None``, lists or tuples, dicts with
 string keys; brackets nest at most :data:`~pyagent_parsers.base.MAX_DEPTH` deep
 (the list's and the call's included). A list that is not such a call list
-(``[1, 2]``, ``[print(x)]``, a syntax error) is content, verbatim.
+(``[1, 2]``, ``[print(x)]``, ``[f(a=1), 3]``) is content, verbatim. In a list of
+calls, one that cannot be read (a bytes literal, a float too large, a syntax error
+of its own) does not take the others with it: the readable calls are calls, and the
+unreadable ones' source goes to the content, one per line.
 
 Where a call list may start:
 
@@ -52,6 +55,9 @@ _CUT_HEAD = re.compile(r"\[[ \t\n\r\f]*(?:[^\W\d]\w*[ \t\n\r\f]*)?\Z")
 #: Where the next call list may start.
 _NEXT = re.compile(rf"{_HEAD.pattern}|{re.escape(START)}")
 _SPECIAL = re.compile(r"""[\[\](){}'"#]""")
+#: An element that starts like a call: ``name(``.
+_CALL_HEAD = re.compile(r"[^\W\d]\w*[ \t\n\r\f]*\(")
+_SPECIAL_OR_COMMA = re.compile(r"""[\[\](){}'"#,]""")
 #: Inside a one-line string: an escape, the closing quote, or a newline (an error).
 _SINGLE = {q: re.compile(r"\\(?s:.)|[\n\r" + q + "]") for q in "'\""}
 #: Inside a triple-quoted string: an escape or the closing quotes.
@@ -148,26 +154,83 @@ def read_call(node: ast.expr) -> tuple[str, str] | None:
         return None
 
 
-def read_calls(span: str) -> list[tuple[str, str]] | None:
-    """The calls of a ``[f(a=1), g(b="x")]`` span, or None if it is not a call list."""
+def _parse(source: str) -> ast.expr | None:
     try:
-        if _ODD_ESCAPE.search(span):  # "\d" and the like warn (SyntaxWarning)
+        if _ODD_ESCAPE.search(source):  # "\d" and the like warn (SyntaxWarning)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                tree = ast.parse(span, mode="eval")
-        else:
-            tree = ast.parse(span, mode="eval")
+                return ast.parse(source, mode="eval").body
+        return ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
-    calls = []
-    for node in tree.body.elts:
-        call = read_call(node)
-        if call is None:
+
+
+def elements(span: str) -> list[str]:
+    """The elements of a balanced ``[...]`` span, split at its top-level commas
+    (brackets, strings and comments matched as :func:`span_end` matches them)."""
+    parts, depth, i, last = [], 0, 0, 1
+    while True:
+        match = _SPECIAL_OR_COMMA.search(span, i)
+        if match is None:
+            break
+        i = match.start()
+        char = span[i]
+        if char in CLOSERS:
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth == 0:
+                parts.append(span[last:i])
+                break
+        elif char == ",":
+            if depth == 1:
+                parts.append(span[last:i])
+                last = i + 1
+        elif char == "#":
+            i = span.find("\n", i)
+            if i == -1:
+                break
+            continue
+        else:
+            triple = span.startswith(char * 3, i)
+            pattern = (_TRIPLE if triple else _SINGLE)[char]
+            i += 3 if triple else 1
+            while (match := pattern.search(span, i)) is not None:
+                i = match.end()
+                if match.group()[0] != "\\":
+                    break
+            continue
+        i += 1
+    return [part for part in parts if part.strip()]
+
+
+def read_calls(span: str) -> Found | None:
+    """The calls of a ``[f(a=1), g(b="x")]`` span (``end`` unset), or None if it is
+    not a call list. An element that is not a readable call beside ones that are (a
+    bytes literal, a float too large, a syntax error of its own) is left as content:
+    each good call survives a bad neighbour."""
+    tree = _parse(span)
+    if isinstance(tree, ast.List):
+        if not tree.elts:
             return None
-        calls.append(call)
-    return calls
+        nodes = [(node, None) for node in tree.elts]
+    elif tree is None:  # one element may be at fault: read them one by one
+        nodes = [(_parse(part.strip()), part) for part in elements(span)]
+    else:
+        return None
+    calls, leftovers = [], []
+    for node, source in nodes:
+        call = read_call(node) if node is not None else None
+        if call is not None:
+            calls.append(call)
+            continue
+        source = (source if source is not None else ast.get_source_segment(span, node) or "").strip()
+        if not _CALL_HEAD.match(source):
+            return None  # not a call at all ([f(a=1), 3]): not a call list
+        leftovers.append(source)
+    if not calls:
+        return None
+    return Found(0, calls, "\n".join(part for part in leftovers if part))
 
 
 class PythonicToolParser(ScanningToolParser):
@@ -188,11 +251,13 @@ class PythonicToolParser(ScanningToolParser):
         if span is None:  # cut off: the rest is content
             return None if not final else Found(n, None)
         end, balanced = span
-        calls = read_calls(text[i:end]) if balanced else None
-        if calls is None or marker != START:
-            return Found(end, calls)
+        read = read_calls(text[i:end]) if balanced else None
+        if read is None:
+            return Found(end, None)
+        if marker != START:
+            return Found(end, read.calls, read.content)
         j = skip_space(text, end)
         closed = text.startswith(END, j)
         if not closed and END.startswith(text[j : j + len(END)]) and not final:
             return None  # maybe <|python_end|> is coming
-        return Found(j + len(END) if closed else end, calls)
+        return Found(j + len(END) if closed else end, read.calls, read.content)
