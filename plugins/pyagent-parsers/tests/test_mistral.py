@@ -76,6 +76,21 @@ def test_name_without_args_token_and_a_single_object_are_read():
     assert parse('[TOOL_CALLS]{"name": "add", "arguments": {"a": 1}}')[:2] == (None, [("add", '{"a": 1}')])
 
 
+def without_control_tokens(text):
+    """Issue 25's class "mistral, raw marker": what cannot be read is content, but
+    [TOOL_CALLS], [ARGS] and [CALL_ID] are control tokens, not text."""
+    kept = re.sub(r"\[TOOL_CALLS\]|\[ARGS\]|\[CALL_ID\]", "", text)
+    return kept if kept.strip() else None
+
+
+def test_a_call_cut_off_by_max_tokens_leaks_no_control_token():
+    assert parse('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Par') == ('Checking.get_weather{"city": "Par', [], [])
+    content, calls, _ = parse('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]f[ARGS]{bad json}')
+    assert calls == [("get_time", "{}")] and content == "f{bad json}"
+    # An empty call id does not make the call unreadable.
+    assert parse("[TOOL_CALLS]f[CALL_ID][ARGS]{}")[:2] == (None, [("f", "{}")])
+
+
 def test_cut_off_and_malformed_calls_are_content():
     for text in (
         *SAMPLES[3:5],
@@ -87,11 +102,10 @@ def test_cut_off_and_malformed_calls_are_content():
         "[TOOL_CALLS][]",
         "[TOOL_CALLS]f[ARGS][1, 2]",
         "[TOOL_CALLS]f[ARGS]{bad json}",
-        "[TOOL_CALLS]f[CALL_ID][ARGS]{}",
         "[TOOL_CALLS]f(x=1)",
     ):
-        assert parse(text) == (text, [], []), text
-    assert parse(SAMPLES[6]) == (SAMPLES[6], [], [])
+        assert parse(text) == (without_control_tokens(text), [], []), text
+    assert parse(SAMPLES[6]) == (SAMPLES[6], [], [])  # no marker: verbatim
 
 
 def test_call_ids_are_nine_alphanumerics():

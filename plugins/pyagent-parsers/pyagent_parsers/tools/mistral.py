@@ -20,13 +20,15 @@ single object instead of the array is read too. If any element is not such a cal
 the whole group (marker to ``]``) is content.
 
 Name form: the name (letters, digits, ``_ - .``), an optional ``[CALL_ID]`` and
-alphanumeric id (ignored), ``[ARGS]`` (optional: ``name{...}`` is read too),
+alphanumeric id (ignored; an empty one too), ``[ARGS]`` (optional: ``name{...}`` is read too),
 optional whitespace, and a JSON object. Where that shape breaks, what was read
 (marker, name...) is content and reading goes on after it; a marker right before
 another is content.
 
 Text before, between and after calls is content. A call the output ends inside is
-content, from the marker to the end. Call ids are 9 alphanumerics, as Mistral
+content, from the marker to the end. Such unreadable text is content without its
+``[TOOL_CALLS]``, ``[ARGS]`` and ``[CALL_ID]`` tokens: control tokens are no text
+for the user. Call ids are 9 alphanumerics, as Mistral
 requires; the model's own ids are not kept.
 
 ``[TOOL_CALLS]`` is a special token, so :meth:`MistralToolParser.adjust_request`
@@ -46,6 +48,7 @@ _NOT_ALPHANUMERIC = re.compile(r"[-_]")
 _SPACE = re.compile(r"[ \t\n\r]*")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _ID = re.compile(r"[A-Za-z0-9]+")
+_CONTROL = re.compile("|".join(re.escape(token) for token in (MARKER, ARGS, CALL_ID)))
 
 
 def skip_space(text: str, i: int) -> int:
@@ -107,6 +110,14 @@ class MistralToolParser(ScanningToolParser):
         return request
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
+        found = self._parse(text, start, final)
+        if found is None or found.calls is not None:
+            return found
+        # What cannot be read (a broken call, one cut off by max_tokens) is content,
+        # less the control tokens, which are no text for the user.
+        return Found(found.end, [], _CONTROL.sub("", text[start : found.end]))
+
+    def _parse(self, text: str, start: int, final: bool) -> Found | None:
         n = len(text)
         after = start + len(MARKER)
         i = skip_space(text, after)
@@ -141,7 +152,9 @@ class MistralToolParser(ScanningToolParser):
             if token == CALL_ID:
                 call_id = _ID.match(text, i)
                 if call_id is None and i < n:
-                    return Found(i, None)
+                    if expect(text, i, ARGS) is False:
+                        return Found(i, None)
+                    continue  # an empty id: the call is still readable
                 if call_id is None or call_id.end() == n:
                     return None if not final else Found(n, None)
                 i = call_id.end()
