@@ -60,6 +60,8 @@ SAMPLES = [
     WEATHER[: -len("</tool_call>")],  # </tool_call> never came
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nand then\n</function>\n</tool_call>",
     "No tools needed: 2 < 3, <tool_ is not a tag and neither is <function=x>.",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n<parameter=days>\n3\n</function>\n</tool_call>",
 ]
 
 
@@ -136,6 +138,15 @@ def test_cut_off_and_malformed_calls_are_content():
     assert parse(empty) == (empty, [], [])
     no_name = "<tool_call>\n<function=>\n</function>\n</tool_call>"
     assert parse(no_name) == (no_name, [], [])
+
+
+def test_every_argument_survives_a_missing_parameter_closer():
+    """Issue 25's class "qwen3_xml, missing </parameter>": the next <parameter=...> was
+    swallowed into the previous value and a required argument was lost."""
+    assert args(SAMPLES[8]) == {"city": "Tokyo", "days": 3}
+    assert args(SAMPLES[9]) == {"city": "Tokyo", "days": 3}  # none closed: </function> ends the last
+    compact = "<tool_call><function=get_weather><parameter=city>Oslo<parameter=unit>celsius</parameter></function></tool_call>"
+    assert args(compact) == {"city": "Oslo", "unit": "celsius"}
 
 
 def test_missing_tool_call_end_at_the_end_is_accepted():

@@ -23,13 +23,16 @@ How a call is read:
   non-empty and hold no whitespace, ``<`` or newline. A function with no parameters
   has arguments ``{}``; a parameter given twice keeps its last value.
 - A value is the raw text up to the first ``</parameter>`` (no escaping: it may hold
-  ``<``, code, JSON...), less exactly one leading and one trailing newline.
+  ``<``, code, JSON...), less exactly one leading and one trailing newline. A
+  ``<parameter=`` or ``</function>`` before any ``</parameter>`` ends the value
+  there: the model left its closer out, and every argument is still read (a value
+  cannot hold those two tags).
 - ``</tool_call>`` closes the block. It may be left out where nothing else can be
   meant: right before the next ``<tool_call>`` (the block ends at its
   ``</function>``), and at the very end of the output (whitespace and a cut-off
   ``</tool_call>`` after the last ``</function>`` are dropped).
 - Anything else - no ``<function=``, text between the tags, a missing
-  ``</parameter>`` or ``</function>``, a cut-off call - makes the ``<tool_call>``
+  ``</function>``, a cut-off call - makes the ``<tool_call>``
   block content, verbatim, from ``<tool_call>`` to where it stopped making sense
   (to the end of the output when it is unclosed). A block is read whole or not at
   all: one bad function in it makes all of it content.
@@ -92,6 +95,8 @@ _NAME = re.compile(r"[^<>\n]*")
 _FUNCTION_TAG = re.compile(r"\s*<function=[^\S\n]*([^\s<>]+)[^\S\n]*>")
 _PARAMETER_TAG = re.compile(r"\s*<parameter=[^\S\n]*([^\s<>]+)[^\S\n]*>")
 _FUNCTION_END = re.compile(r"\s*</function>")
+#: What ends a value whose </parameter> the model left out: the next parameter or the function's end.
+_VALUE_STOP = re.compile(r"\n?[^\S\n]*(?:<parameter=|</function>)")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _JSON_NESTING = ("[{", re.compile(r"[\[\]{}]"))  # (openers, all brackets)
@@ -149,6 +154,11 @@ def read_block(text: str, i: int, final: bool) -> tuple[list[tuple[str, list[tup
                 break
             i = match.end()
             close = text.find(END_PARAMETER, i)  # str.find: streaming rereads long values often
+            stop = _VALUE_STOP.search(text, i, close if close != -1 else len(text))
+            if stop is not None:  # </parameter> left out: the next tag ends the value
+                params.append((match.group(1), _value(text[i : stop.start()])))
+                i = stop.start()
+                continue
             if close == -1:
                 raise NeedMore
             params.append((match.group(1), _value(text[i:close])))
