@@ -62,6 +62,8 @@ SAMPLES = [
     "No tools needed: 2 < 3, <tool_ is not a tag and neither is <function=x>.",
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nTokyo\n<parameter=days>\n3\n</function>\n</tool_call>",
+    "Sure.\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n<function=get_weather>\n"
+    "<parameter=city>\nRome\n</parameter>\n</function>\nDone.",
 ]
 
 
@@ -175,9 +177,17 @@ def test_a_bad_function_makes_its_whole_block_content():
     assert parse(two)[1] == [("get_weather", '{"city": "Oslo"}')] * 2
 
 
-def test_function_without_tool_call_is_content():
+def test_a_function_without_tool_call_is_read():
+    """Issue 25 asked to revisit this: models do leave <tool_call> out, and the
+    reference reads such calls. A malformed one stays content."""
     text = "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
-    assert parse(text) == (text, [], [])
+    assert args(text) == {"city": "Oslo"}
+    content, calls, _ = parse(f"Sure.\n{text}\n</tool_call>\nDone.")
+    assert content == "Sure.\n\nDone." and [name for name, _ in calls] == ["get_weather"]
+    two = parse(f"{text}\n{text.replace('Oslo', 'Rome')}")
+    assert two[0] is None and [json.loads(a) for _, a in two[1]] == [{"city": "Oslo"}, {"city": "Rome"}]
+    for bad in ("<function=get_weather>\nno parameters here\n</function>", "a <function=x> tag in prose"):
+        assert parse(bad) == (bad, [], [])
 
 
 def test_compact_form_and_no_parameters():

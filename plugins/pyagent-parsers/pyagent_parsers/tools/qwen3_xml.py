@@ -36,7 +36,9 @@ How a call is read:
   block content, verbatim, from ``<tool_call>`` to where it stopped making sense
   (to the end of the output when it is unclosed). A block is read whole or not at
   all: one bad function in it makes all of it content.
-- A ``<function=`` without ``<tool_call>`` before it is content.
+- A ``<function=NAME>`` block without ``<tool_call>`` before it (models do leave
+  it out) is read the same way, up to its ``</function>`` (and a ``</tool_call>``
+  right after, if any); if it is not a well-formed function, it is content.
 
 Values are typed by the tool's JSON schema in the request (``parameters`` →
 ``properties`` → the parameter's schema; ``additionalProperties`` for a parameter
@@ -134,9 +136,10 @@ def _value(raw: str) -> str:
     return raw[:-1] if raw.endswith("\n") else raw
 
 
-def read_block(text: str, i: int, final: bool) -> tuple[list[tuple[str, list[tuple[str, str]]]], int]:
+def read_block(text: str, i: int, final: bool, bare: bool = False) -> tuple[list[tuple[str, list[tuple[str, str]]]], int]:
     """The functions of the ``<tool_call>`` block whose body starts at ``i``, as
-    (name, [(parameter, raw value)]), and where the block ends."""
+    (name, [(parameter, raw value)]), and where the block ends. ``bare``: a function
+    the model wrote without ``<tool_call>``, which ends at its ``</function>``."""
     functions = []
     while True:
         name, i = _function_tag(text, i)
@@ -172,6 +175,11 @@ def read_block(text: str, i: int, final: bool) -> tuple[list[tuple[str, list[tup
             return functions, len(text)  # output ended before </tool_call>
         if text.startswith(START, i) or (final and ends_inside(text, i, START)):
             return functions, closed  # the next call begins: this one was over
+        if bare:
+            if not final and any(ends_inside(text, i, tag) for tag in (END, START, FUNCTION)):
+                raise NeedMore  # what comes next may belong to the block
+            if not text.startswith(FUNCTION, i):
+                return functions, closed
         if not text.startswith(FUNCTION, i):
             expect(text, i, (END, START, FUNCTION))  # raises
 
@@ -388,7 +396,7 @@ _UNSET = object()
 
 
 class Qwen3XmlToolParser(ScanningToolParser):
-    markers = (START,)
+    markers = (START, FUNCTION)
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -413,6 +421,14 @@ class Qwen3XmlToolParser(ScanningToolParser):
         return dumps({param: self._plan(name, param, request).convert(raw) for param, raw in params})
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
+        if marker == FUNCTION:  # a call written without <tool_call>
+            try:
+                functions, end = read_block(text, start, final, bare=True)
+            except NeedMore:
+                return Found(len(text)) if final else None
+            except NotACall as bad:
+                return Found(max(bad.pos, start + len(FUNCTION)))
+            return Found(end, [(name, self.arguments(name, params, request)) for name, params in functions])
         i = skip_space(text, start + len(START))
         if not text.startswith(FUNCTION, i):  # the common way not to be a call, decided quickly
             if ends_inside(text, i, FUNCTION):
