@@ -96,6 +96,7 @@ _NAME = re.compile(r"[^<>\n]*")
 # Fast paths for well-formed tags; what they do not match is decided by _expect and _name.
 _FUNCTION_TAG = re.compile(r"\s*<function=[^\S\n]*([^\s<>]+)[^\S\n]*>")
 _PARAMETER_TAG = re.compile(r"\s*<parameter=[^\S\n]*([^\s<>]+)[^\S\n]*>")
+_CUT_FUNCTION_TAG = re.compile(r"<function=[^\S\n]*[^\s<>]*[^\S\n]*\Z")
 _FUNCTION_END = re.compile(r"\s*</function>")
 #: What ends a value whose </parameter> the model left out: the next parameter or the function's end.
 _VALUE_STOP = re.compile(r"\n?[^\S\n]*(?:<parameter=|</function>)")
@@ -422,6 +423,8 @@ class Qwen3XmlToolParser(ScanningToolParser):
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
         if marker == FUNCTION:  # a call written without <tool_call>
+            if not _FUNCTION_TAG.match(text, start):  # not a tag (prose, a cut one): decided at once
+                return None if not final and _CUT_FUNCTION_TAG.match(text, start) else Found(start + len(FUNCTION))
             try:
                 functions, end = read_block(text, start, final, bare=True)
             except NeedMore:
