@@ -32,6 +32,10 @@ REALISTIC = {
     "qwen3_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n",
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
     '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "granite": f"<|tool_call|>[{CALL}]\n",
+    "jamba": f"<tool_calls>[{CALL}]</tool_calls>\n",
+    "internlm": '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>\n',
+    "phi4_mini_json": f"functools[{CALL}]\n",
 }
 REASONING = {
     "deepseek_r1": "<think>Let me think about the weather in Paris.</think>It is sunny. ",

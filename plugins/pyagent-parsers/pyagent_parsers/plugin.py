@@ -12,6 +12,10 @@ TOOL_PARSERS = {
     "pythonic": ("pyagent_parsers.tools.pythonic:PythonicToolParser", 'Llama 3.2/4 pythonic: [f(a=1), g(b="x")]'),
     "qwen3_xml": ("pyagent_parsers.tools.qwen3_xml:Qwen3XmlToolParser", "Qwen3-Coder: <tool_call><function=f><parameter=a>..."),
     "deepseek_v3": ("pyagent_parsers.tools.deepseek_v3:DeepSeekV3ToolParser", "DeepSeek V3/R1: <｜tool▁calls▁begin｜>..."),
+    "granite": ("pyagent_parsers.tools.json_calls:GraniteToolParser", "Granite 3.x: <|tool_call|>[{json}, ...]"),
+    "jamba": ("pyagent_parsers.tools.json_calls:JambaToolParser", "Jamba 1.5+: <tool_calls>[{json}, ...]</tool_calls>"),
+    "internlm": ("pyagent_parsers.tools.json_calls:InternLMToolParser", "InternLM 2.5: <|action_start|><|plugin|>{json}<|action_end|>"),
+    "phi4_mini_json": ("pyagent_parsers.tools.json_calls:Phi4MiniJsonToolParser", "Phi-4-mini: functools[{json}, ...]"),
 }
 
 REASONING_PARSERS = {
