@@ -17,7 +17,10 @@ and ``extract`` says None), calls by index with the same names and arguments, id
 non-empty and unique. Hypothesis then does the same on arbitrary text built from
 ``pieces`` and unicode, which must never raise; and 500 KB of each piece repeated
 must parse in linear time (:func:`check_linear`; ``benchmarks/parsers.py`` reports
-the real figures).
+the real figures). :data:`EDGE_CASES`, the markers of every common format unclosed,
+cut, split, with unicode and braces in strings (:func:`check_edge_cases`), run for
+every parser; ``tests/test_parser_conformance.py`` runs them for every registered
+tool parser, third-party ones included.
 
 The reasoning suite checks the same for ``(reasoning, content)``; ``prompts`` are
 prompt texts the parser is prepared with (a chat template may open the reasoning
@@ -141,6 +144,52 @@ def check_tool_streaming(make, text: str, cuts: Sequence[int], request: Any = No
         assert all(isinstance(i, str) and i for i in group) and len(set(group)) == len(group), f"call ids: {group}"
 
 
+#: Edge cases every tool parser must read without raising, streamed exactly as
+#: whole, whatever its format: the markers of the common formats unclosed, cut inside
+#: JSON, split across deltas (every chunking), with unicode, empty arguments, braces
+#: inside strings, many calls, and calls after content. A parser's own format decides
+#: what is a call; the kit checks that the answer does not depend on the chunking.
+EDGE_CASES: tuple[str, ...] = (
+    "",
+    " \n ",
+    "<",
+    "Plain text, no calls: 2 < 3 > 1, [a](b), {x}.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',  # unclosed tag
+    '<tool_call>{"name": "f", "arguments": {"a": "unterminated',  # cut inside JSON
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call>',  # empty arguments
+    '<tool_call></tool_call>',
+    'Text first. <tool_call>{"name": "g", "arguments": {"s": "{not} [a] \\"quoted\\" </tool_call>"}}</tool_call> after',
+    'Ünïcödé 東京 🙂 <tool_call>{"name": "天気", "arguments": {"city": "東京 🗼"}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"i": 1}}</tool_call>\n' * 12,  # many calls
+    '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"a": [1, {"b": "}"}]}}]',
+    "[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]g[ARGS]{\"x\": \"[ARGS]\"}",
+    "[TOOL_CALLS]",
+    '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": [1, {"y": 2}]}}',
+    '<|python_tag|>{"name": "f", "parameters": {"q": "a;b"}}',
+    '[f(a=1), g(b="}{", c=[1, 2])]',
+    "[f(a=b'x'), g(b=1)]",
+    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+    "<function=f>\n<parameter=a>\n{\"x\": 1}\n<parameter=b>\nno closer\n</function>",
+    '<|tool_call|>[{"name": "f", "arguments": {}}]',
+    '<tool_calls>[{"name": "f", "arguments": {"a": 1}}]</tool_calls>',
+    '<|action_start|><|plugin|>{"name": "f", "parameters": {}}<|action_end|>',
+    'functools[{"name": "f", "arguments": {}}]',
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "<think>reasoning with a <tool_call> inside</think>",
+    "{" * 80 + "}" * 80,
+)
+
+
+def check_edge_cases(make, request: Any = None, cases: Sequence[str] = EDGE_CASES) -> None:
+    """Every edge case, in every chunking (and cut off after each tenth of it): the
+    parser does not raise and streams exactly what ``extract`` gives."""
+    for text in cases:
+        for cuts in chunkings(text, seeds=2):
+            check_tool_streaming(make, text, cuts, request)
+        for end in range(0, len(text), max(1, len(text) // 10)):
+            check_tool_streaming(make, text[:end], word_cuts(text[:end]), request)
+
+
 class ToolParserContract:
     parser_name: str = ""
     #: Realistic outputs of the model family (calls, text around them, malformed calls).
@@ -183,6 +232,9 @@ class ToolParserContract:
 
     def test_adversarial_500kb_parses_in_linear_time(self):
         check_linear(lambda text: self.make().extract(text, self.request), [*self.pieces, *self.samples[:2]])
+
+    def test_shared_edge_cases_stream_like_extract(self):
+        check_edge_cases(self.make, self.request)
 
 
 # ---------------------------------------------------------------------- reasoning parsers
