@@ -36,6 +36,8 @@ REALISTIC = {
     "jamba": f"<tool_calls>[{CALL}]</tool_calls>\n",
     "internlm": '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>\n',
     "phi4_mini_json": f"functools[{CALL}]\n",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>\n',
 }
 REASONING = {
     "deepseek_r1": "<think>Let me think about the weather in Paris.</think>It is sunny. ",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pyagent_parsers.base import Found, ScanningToolParser, call_arguments, dumps, json_end, loads
+from pyagent_parsers.base import Found, ScanningToolParser, call_arguments, dumps, ends_inside, json_end, loads
 
 _SPACE = re.compile(r"\s*")
 
@@ -89,7 +89,7 @@ class JsonCallsParser(ScanningToolParser):
             j = _SPACE.match(text, end).end()
             if text.startswith(self.end, j):
                 stop = j + len(self.end)
-            elif not final and self.end.startswith(text[j:]):
+            elif not final and ends_inside(text, j, self.end):
                 return None  # the end marker may be coming
         if group is None:
             return Found(stop, [], self._unread(text[start:stop]))
