@@ -36,6 +36,7 @@ REALISTIC = {
     "jamba": f"<tool_calls>[{CALL}]</tool_calls>\n",
     "internlm": '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>\n',
     "phi4_mini_json": f"functools[{CALL}]\n",
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
     '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>\n',
 }

@@ -16,6 +16,7 @@ TOOL_PARSERS = {
     "jamba": ("pyagent_parsers.tools.json_calls:JambaToolParser", "Jamba 1.5+: <tool_calls>[{json}, ...]</tool_calls>"),
     "internlm": ("pyagent_parsers.tools.json_calls:InternLMToolParser", "InternLM 2.5: <|action_start|><|plugin|>{json}<|action_end|>"),
     "phi4_mini_json": ("pyagent_parsers.tools.json_calls:Phi4MiniJsonToolParser", "Phi-4-mini: functools[{json}, ...]"),
+    "glm45": ("pyagent_parsers.tools.glm45:Glm45ToolParser", "GLM-4.5/4.6: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"),
     "kimi_k2": ("pyagent_parsers.tools.kimi_k2:KimiK2ToolParser", "Kimi K2: <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0..."),
 }
 
