@@ -52,3 +52,13 @@ def test_cut_off_and_malformed_calls_are_content():
 
 def test_parameters_is_read_as_arguments():
     assert parse(SAMPLES[5])[1] == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_arguments_given_as_a_json_string_are_read():
+    """Issue 25 asked to revisit this choice: models often write the arguments as a
+    JSON-encoded string. One holding an object is read; any other string is not a call."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\", \\"days\\": 2}"}\n</tool_call>'
+    assert parse(text)[:2] == (None, [("get_weather", '{"city": "Oslo", "days": 2}')])
+    for bad in ('"[1, 2]"', '"not json"'):
+        text = '<tool_call>{"name": "f", "arguments": ' + bad + "}</tool_call>"
+        assert parse(text) == (text, [], [])
