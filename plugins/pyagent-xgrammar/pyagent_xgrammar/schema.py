@@ -75,8 +75,9 @@ KEYWORDS: dict[str, str] = {
     "(ignored)",
     # objects
     "properties / additionalProperties / unevaluatedProperties / maxProperties": "honoured "
-    "(properties come in the declared order; undeclared ones only where additionalProperties "
-    "or patternProperties allows them)",
+    "(properties come in the declared order; undeclared ones where additionalProperties, true "
+    "unless stated, or patternProperties allows them); unevaluatedProperties beside subschemas "
+    "that evaluate properties is refused",
     "required": "honoured for declared properties; a name 'properties' does not declare is refused "
     "(xgrammar never generates it)",
     "patternProperties": "honoured (keys match a pattern whole); refused when a declared property "
@@ -167,7 +168,9 @@ def xgrammar_grammar(value: Any) -> Any:
     import xgrammar as xgr
 
     schema, patterns = prepare_schema(value)
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    # strict_mode=False: JSON Schema's own defaults (undeclared properties allowed
+    # unless additionalProperties says otherwise, items of any kind unless "items" does).
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False)
     text = str(grammar)
     changed = False
     # xgrammar (0.2.x) writes the characters of length-bounded strings as a class that
@@ -783,7 +786,13 @@ class _Walk:
                              "and xgrammar applies only its 'properties' schema")
         if "propertyNames" in node and node["propertyNames"] is not True and (properties or patterns):
             raise refuse("propertyNames", where, "xgrammar does not check declared or pattern property names")
-        extra = node.get("additionalProperties", node.get("unevaluatedProperties", False))
+        if "unevaluatedProperties" in node and "additionalProperties" not in node:
+            if any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")):
+                raise refuse("unevaluatedProperties", where, "beside subschemas that evaluate properties")
+            # Without subschemas, what is unevaluated is what 'properties' and
+            # 'patternProperties' do not cover: additionalProperties says the same.
+            node["additionalProperties"] = node.pop("unevaluatedProperties")
+        extra = node.get("additionalProperties", True)
         open_keys = extra is not False or bool(patterns)
         minimum = node.get("minProperties")
         if open_keys and _is_number(minimum) and minimum > len(set(required)):

@@ -336,3 +336,25 @@ def test_a_regex_dot_matches_no_line_terminator(backend):
     """xgrammar's '.' takes a newline; Python's and ECMA's do not."""
     spec = GrammarSpec("regex", "a.b")
     assert accepts(backend, spec, "a-b") and not accepts(backend, spec, "a\nb")
+
+
+def test_json_schema_defaults_hold_undeclared_properties_and_unconstrained_items(backend):
+    """Issue 25: with xgrammar's strict mode, a schema without 'items' admitted only
+    [] and one without 'additionalProperties' no undeclared key; JSON Schema's defaults
+    allow both. The walks below validate against the schema, and some of them use
+    the freedom the defaults give."""
+    import jsonschema
+
+    lengths, keys = set(), set()
+    schema = {"type": "array", "maxItems": 2}
+    for seed in range(25):
+        value = json.loads(walk(backend, GrammarSpec("json_schema", schema), seed, max_steps=400, wind_down=200).decode())
+        jsonschema.validate(value, schema)
+        lengths.add(len(value))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for seed in range(25):
+        value = json.loads(walk(backend, GrammarSpec("json_schema", schema), seed, max_steps=400, wind_down=200).decode())
+        jsonschema.validate(value, schema)
+        keys |= set(value) - {"a"}
+    assert lengths & {1, 2}, lengths
+    assert keys, "no walk used an undeclared property"
