@@ -225,6 +225,9 @@ class ScanningToolParser(ToolParser):
 
     #: Strings where a call (or a group of calls) may begin.
     markers: tuple[str, ...] = ()
+    #: The markers are special tokens: requests that may call tools keep them in the
+    #: output (``skip_special_tokens`` off), so they reach the parser.
+    special_markers: bool = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -235,6 +238,12 @@ class ScanningToolParser(ToolParser):
         self._num_calls = 0
         self._held_space = ""  # streaming: leading whitespace not sent yet
         self._sent_text = False  # streaming: content other than whitespace was sent
+
+    def adjust_request(self, request: Any) -> Any:
+        if (self.special_markers and isinstance(request, dict) and request.get("tools")
+                and request.get("tool_choice") != "none"):
+            request["skip_special_tokens"] = False
+        return request
 
     # ---------------------------------------------------------------- per format
 

@@ -66,12 +66,8 @@ def _until(text: str, i: int, tag: str) -> int:
 
 class Glm45ToolParser(Qwen3XmlToolParser):
     markers = (START,)
+    special_markers = True
 
-    def adjust_request(self, request: Any) -> Any:
-        """Keep special tokens in the output when the model may call tools."""
-        if isinstance(request, dict) and request.get("tools") and request.get("tool_choice") != "none":
-            request["skip_special_tokens"] = False
-        return request
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
         try:

@@ -57,6 +57,7 @@ class JsonCallsParser(ScanningToolParser):
     end: str | None = None
     #: Whether the markers are control tokens, left out of content (not plain words).
     control: bool = True
+    special_markers = True
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -66,12 +67,6 @@ class JsonCallsParser(ScanningToolParser):
     def _unread(self, text: str) -> str:
         return self._control.sub("", text) if self.control else text
 
-    def adjust_request(self, request: Any) -> Any:
-        """Keep special tokens in the output when the model may call tools, so the
-        markers reach the parser."""
-        if isinstance(request, dict) and request.get("tools") and request.get("tool_choice") != "none":
-            request["skip_special_tokens"] = False
-        return request
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
         n = len(text)
@@ -113,4 +108,4 @@ class InternLMToolParser(JsonCallsParser):
 
 class Phi4MiniJsonToolParser(JsonCallsParser):
     markers = ("functools",)
-    control = False  # a plain word: "import functools" stays text
+    control = special_markers = False  # a plain word: "import functools" stays text

@@ -42,12 +42,8 @@ def call_name(call_id: str) -> str | None:
 
 class KimiK2ToolParser(ScanningToolParser):
     markers = (SECTION_BEGIN,)
+    special_markers = True
 
-    def adjust_request(self, request: Any) -> Any:
-        """Keep special tokens in the output when the model may call tools."""
-        if isinstance(request, dict) and request.get("tools") and request.get("tool_choice") != "none":
-            request["skip_special_tokens"] = False
-        return request
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
         n = len(text)

@@ -93,6 +93,7 @@ def read_calls(body: str) -> list[tuple[str, str]] | None:
 
 class MistralToolParser(ScanningToolParser):
     markers = (MARKER,)
+    special_markers = True
 
     def new_call_id(self) -> str:
         """9 random alphanumerics: URL-safe base64 less ``-`` and ``_`` (uniform over
@@ -102,12 +103,6 @@ class MistralToolParser(ScanningToolParser):
             if len(chars) >= 9:
                 return chars[:9]
 
-    def adjust_request(self, request: Any) -> Any:
-        """Keep special tokens in the output when the model may call tools, so
-        ``[TOOL_CALLS]`` (and ``[ARGS]``) reach the parser."""
-        if isinstance(request, dict) and request.get("tools") and request.get("tool_choice") != "none":
-            request["skip_special_tokens"] = False
-        return request
 
     def parse_call(self, text: str, start: int, marker: str, final: bool, request: Any) -> Found | None:
         found = self._parse(text, start, final)
