@@ -30,8 +30,7 @@ def add(request_id: str, prompt: list[int], max_tokens: int = 8, salt: str | Non
 def place(balancer: Balancer, request: AddRequest, load: int | None = None) -> int:
     """Choose as the client does, and count the request's load on its replica."""
     index = balancer.choose(request)
-    balancer.load[index] += load if load is not None else len(request.prompt_token_ids) + request.params.max_tokens
-    balancer.requests[index] += 1
+    balancer.assign(index, load if load is not None else len(request.prompt_token_ids) + request.params.max_tokens)
     return index
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 from typing import Any
 
 import msgspec
@@ -22,6 +23,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+class Child:
+    """A child process of this one, ``python -m MODULE ARGS``, given ``startup`` on its
+    standard input (and killed if that fails); ``name`` is how errors name it."""
+
+    def __init__(self, module: str, args: list[str], startup: Any, *, label: str, stdout: int | None = None) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout)
+        self.pid = self.process.pid
+        self.name = f"{label} {self.pid}"
+        try:
+            write_startup(self.process, startup)
+        except BaseException:
+            self.stop(kill=True, wait_seconds=10.0)
+            raise
+
+    def exit_status(self) -> int | None:
+        return self.process.poll()
+
+    def stop(self, *, kill: bool, wait_seconds: float) -> None:
+        stop(self.process, kill=kill, wait_seconds=wait_seconds)
 
 
 def write_startup(process: subprocess.Popen, message: Any) -> None:

@@ -95,6 +95,11 @@ class EngineConfig:
     ray_placement_timeout: float = attrs.field(default=60.0, validator=_positive, metadata={"help": "seconds to wait for the Ray cluster to reserve a replica's or a worker's CPUs before giving up with what is missing"})
     engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
+    def rank_threads(self, cores: int) -> int:
+        """Torch threads per rank: ``num_threads`` as set, or ``cores`` shared among
+        every rank of every data-parallel replica."""
+        return self.num_threads or max(1, cores // (self.data_parallel_size * self.tensor_parallel_size))
+
     def grammar_cache_bytes(self) -> int:
         try:
             return parse_size(self.grammar_cache_memory)

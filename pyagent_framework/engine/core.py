@@ -45,10 +45,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         tp_size = config.tensor_parallel_size
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        elif tp_size > 1:  # the ranks share the cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
+        if config.num_threads or tp_size > 1:  # the ranks share the cores
+            torch.set_num_threads(config.rank_threads(torch.get_num_threads()))
         self.device = loader.choose_device(config.device)
         if tp_size > 1:
             setup.check_tensor_parallel(config, self.device)

@@ -84,6 +84,17 @@ class Balancer:
             hashes.append(digest)
         return hashes
 
+    def assign(self, index: int, load: int) -> None:
+        """A sequence of ``load`` tokens was sent to replica ``index``."""
+        self.load[index] += load
+        self.requests[index] += 1
+        self.sent[index] += 1
+
+    def release(self, index: int, load: int) -> None:
+        """A sequence with ``load`` tokens left is no longer replica ``index``'s."""
+        self.load[index] -= load
+        self.requests[index] -= 1
+
     def affinity_bound(self, least: int, prefix_tokens: int) -> float:
         """The most load a replica holding ``prefix_tokens`` of a request's prompt may
         carry and still get it: a difference one step absorbs costs less than
@@ -143,18 +154,13 @@ def request_load(request: AddRequest, max_model_len: int) -> int:
     return prompt + (generate if generate is not None else max(0, max_model_len - prompt))
 
 
-def replica_threads(config: EngineConfig, cores: int) -> int:
-    """Torch threads per rank: as set, or the cores shared among every rank of every replica."""
-    return config.num_threads or max(1, cores // (config.data_parallel_size * config.tensor_parallel_size))
-
-
 class LocalReplicas:
     """Replicas as local processes (``--data-parallel-backend mp``)."""
 
     name = "mp"
 
     def __init__(self, config: EngineConfig) -> None:
-        self.threads = replica_threads(config, len(os.sched_getaffinity(0)))
+        self.threads = config.rank_threads(len(os.sched_getaffinity(0)))
 
     def replica(self, index: int, config: EngineConfig) -> tuple[EngineConfig, Any, str]:
         """Replica ``index``'s configuration, how to start its core, and the host its
@@ -318,20 +324,14 @@ class DataParallelClient:
         client = self.replicas[index]
         for item in items:
             item.replica = index
-            item.load = request_load(item.request, self.info_max_len(client))
-            self.balancer.load[index] += item.load
-            self.balancer.requests[index] += 1
-            self.balancer.sent[index] += 1
+            item.load = request_load(item.request, client.info.max_model_len)
+            self.balancer.assign(index, item.load)
         try:
             acks = client.add_requests([item.request for item in items])
         except EngineDeadError:
             return  # its death handler (run or about to run) sends them elsewhere
         for item, ack in zip(items, acks):
             ack.add_done_callback(lambda done, item=item, index=index: self._acked(item, index, done))
-
-    @staticmethod
-    def info_max_len(client) -> int:
-        return client.info.max_model_len
 
     def _acked(self, item: _Tracked, index: int, done: concurrent.futures.Future) -> None:
         error = done.exception()
@@ -346,8 +346,7 @@ class DataParallelClient:
     def _forget(self, item: _Tracked) -> None:
         self._tracked.pop(item.request.request_id, None)
         if item.replica is not None:
-            self.balancer.load[item.replica] -= item.load
-            self.balancer.requests[item.replica] -= 1
+            self.balancer.release(item.replica, item.load)
             item.load = 0
 
     def _delivered(self, index: int, outputs: CoreOutputs) -> None:

@@ -8,8 +8,6 @@ import concurrent.futures
 import logging
 import queue
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -52,30 +50,14 @@ SHUTDOWN_SECONDS = 10.0  # how long close() waits for the core to finish (KV sav
 _live_clients: weakref.WeakSet = weakref.WeakSet()
 
 
-class LocalCore:
+class LocalCore(child_process.Child):
     """The core as a child process of this one: ``python -m
     pyagent_framework.engine.core_process IN OUT``, its start-up on standard input."""
 
     transport = "ipc"
 
     def __init__(self, startup: CoreStartup, input_address: str, output_address: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pyagent_framework.engine.core_process", input_address, output_address],
-            stdin=subprocess.PIPE,
-        )
-        self.name = f"process {self.process.pid}"
-        self.pid = self.process.pid
-        try:
-            child_process.write_startup(self.process, startup)
-        except BaseException:
-            self.stop(kill=True, wait_seconds=SHUTDOWN_SECONDS)
-            raise
-
-    def exit_status(self) -> int | None:
-        return self.process.poll()
-
-    def stop(self, *, kill: bool, wait_seconds: float) -> None:
-        child_process.stop(self.process, kill=kill, wait_seconds=wait_seconds)
+        super().__init__("pyagent_framework.engine.core_process", [input_address, output_address], startup, label="process")
 
 
 class ProcessClient:

@@ -96,6 +96,27 @@ def reserve(ray, bundles: list[dict[str, float]], timeout: float, what: str, fie
     )
 
 
+def call_status(ray, ref) -> int | None:
+    """How the actor call behind ``ref`` ended, as a process's exit status: None while
+    it runs, its result (0 for None), :data:`RAY_EXITED` if its actor died or this
+    process left the cluster (at exit), 1 if it raised."""
+    if not ray.is_initialized():
+        return RAY_EXITED
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return None
+    try:
+        return int(ray.get(ref) or 0)
+    except ray.exceptions.RayActorError:
+        return RAY_EXITED
+    except Exception:
+        return 1
+
+
+def actor_name(actor) -> str:
+    return f"Ray actor {actor._actor_id.hex()[:12]}"
+
+
 class CoreActor:
     """A Ray actor that runs one engine core (``core_process.serve``) per call."""
 
@@ -122,22 +143,12 @@ class RayCore:
         import ray
 
         self.ray, self.actor = ray, actor
-        self.name = f"Ray actor {actor._actor_id.hex()[:12]}"
+        self.name = actor_name(actor)
         self.pid = None
         self.ref = actor.serve.remote(msgspec.msgpack.encode(startup), input_address, output_address)
 
     def exit_status(self) -> int | None:
-        if not self.ray.is_initialized():  # this process left the cluster (at exit): nothing runs for it
-            return RAY_EXITED
-        ready, _ = self.ray.wait([self.ref], timeout=0)
-        if not ready:
-            return None
-        try:
-            return int(self.ray.get(self.ref))
-        except self.ray.exceptions.RayActorError:
-            return RAY_EXITED
-        except Exception:
-            return 1
+        return call_status(self.ray, self.ref)
 
     def stop(self, *, kill: bool, wait_seconds: float) -> None:
         """Wait for ``serve`` to return (the core was told to stop); kill the actor's
@@ -163,7 +174,7 @@ class RayReplicas:
         self.ray = ray
         size = config.data_parallel_size
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.threads = config.num_threads or max(1, cpus // (size * config.tensor_parallel_size))
+        self.threads = config.rank_threads(cpus)
         bundle = {"CPU": float(self.threads * config.tensor_parallel_size)}
         self.host = front_end_host(ray)
         self.groups: list[Any] = []
@@ -226,13 +237,12 @@ class WorkerActor:
         tensor_parallel.run_steps(self.startup, *self.built)
 
 
-
 class RayWorker:
     """One tensor-parallel rank in a Ray actor, as the engine core sees a worker."""
 
     def __init__(self, ray, actor, startup) -> None:
         self.ray, self.actor = ray, actor
-        self.name = f"Ray actor {actor._actor_id.hex()[:12]}"
+        self.name = actor_name(actor)
         self.loaded = actor.load.remote(msgspec.msgpack.encode(startup))
         self.ref = None
         self.pid = None
@@ -247,19 +257,8 @@ class RayWorker:
         self.ref = self.actor.run.remote()
 
     def exit_status(self) -> int | None:
-        ref = self.ref or self.loaded
-        if not self.ray.is_initialized():
-            return RAY_EXITED
-        ready, _ = self.ray.wait([ref], timeout=0)
-        if not ready or ref is self.loaded:
-            return None
-        try:
-            self.ray.get(ref)
-            return 0
-        except self.ray.exceptions.RayActorError:
-            return RAY_EXITED
-        except Exception:
-            return 1
+        """None until the rank runs steps (:meth:`wait_ready` reports a failed load)."""
+        return call_status(self.ray, self.ref) if self.ref is not None else None
 
     def stop(self, *, kill: bool, wait_seconds: float) -> None:
         if not kill and self.ref is not None:

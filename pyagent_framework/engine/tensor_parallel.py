@@ -61,16 +61,11 @@ class WorkerStartup(msgspec.Struct, frozen=True):
     quantization: str | None
 
 
-class LocalWorker:
+class LocalWorker(child_process.Child):
     """A worker as a child process of the engine core (the ``mp`` executor)."""
 
     def __init__(self, startup: WorkerStartup) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pyagent_framework.engine.tensor_parallel"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        self.pid = self.process.pid
-        self.name = f"pid {self.pid}"
-        child_process.write_startup(self.process, startup)
+        super().__init__("pyagent_framework.engine.tensor_parallel", [], startup, label="pid", stdout=subprocess.PIPE)
 
     def wait_ready(self, rank: int) -> None:
         """One line once the worker's model and cache are built, or its error."""
@@ -78,12 +73,6 @@ class LocalWorker:
         if line != "ready":
             self.process.wait(10)
             raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {line or f'exit status {self.process.returncode}'}")
-
-    def exit_status(self) -> int | None:
-        return self.process.poll()
-
-    def stop(self, *, kill: bool, wait_seconds: float) -> None:
-        child_process.stop(self.process, kill=kill, wait_seconds=wait_seconds)
 
 
 class TensorParallelWorkers:
