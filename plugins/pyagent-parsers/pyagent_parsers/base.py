@@ -53,6 +53,12 @@ class Found:
     content: str = ""
 
 
+def any_of(literals: Sequence[str]) -> re.Pattern:
+    """A pattern matching any of ``literals``, the longest first where several start
+    at one place."""
+    return re.compile("|".join(re.escape(m) for m in sorted(literals, key=len, reverse=True)))
+
+
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
     longest = max((len(m) for m in markers), default=1)
@@ -233,7 +239,7 @@ class ScanningToolParser(ToolParser):
         super().__init__(tokenizer)
         if not self.markers:
             raise TypeError(f"{type(self).__name__} sets no markers")
-        self._marker_re = re.compile("|".join(re.escape(m) for m in sorted(self.markers, key=len, reverse=True)))
+        self._marker_re = any_of(self.markers)
         self._pos = 0  # streaming: characters of the text already decided
         self._num_calls = 0
         self._held_space = ""  # streaming: leading whitespace not sent yet

@@ -37,7 +37,7 @@ from typing import Any
 from pyagent_framework.interfaces import ReasoningParser
 from pyagent_framework.types import DeltaMessage, ReasoningSplit
 
-from pyagent_parsers.base import partial_suffix
+from pyagent_parsers.base import any_of, partial_suffix
 
 _NON_SPACE = re.compile(r"\S")
 
@@ -94,10 +94,9 @@ class MarkerReasoningParser(ReasoningParser):
         super().__init__(tokenizer)
         if not self.end_markers:
             raise TypeError(f"{type(self).__name__} sets no end markers")
-        by_length = sorted(self.end_markers, key=len, reverse=True)
-        self._end_re = re.compile("|".join(re.escape(m) for m in by_length))
+        self._end_re = any_of(self.end_markers)
         self._stops = (*self.end_markers, *self.kept_end_markers)
-        self._stop_re = re.compile("|".join(re.escape(m) for m in sorted(self._stops, key=len, reverse=True)))
+        self._stop_re = any_of(self._stops)
         self._kept = frozenset(self.kept_end_markers)
         self._end_len = max(len(m) for m in self._stops)
         self._prompt_ids: Sequence[int] = ()

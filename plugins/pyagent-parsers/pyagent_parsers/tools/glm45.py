@@ -28,13 +28,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pyagent_parsers.base import Found, ends_inside
+from pyagent_parsers.base import Found, any_of, ends_inside
 from pyagent_parsers.tools.qwen3_xml import Qwen3XmlToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 KEY, END_KEY, VALUE, END_VALUE = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 TAGS = (START, END, KEY, END_KEY, VALUE, END_VALUE)
-_TAG = re.compile("|".join(re.escape(t) for t in TAGS))
+_TAG = any_of(TAGS)
 _SPACE = re.compile(r"\s*")
 _NAME = re.compile(r"[^\n<]*")
 

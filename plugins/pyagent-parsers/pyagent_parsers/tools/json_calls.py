@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pyagent_parsers.base import Found, ScanningToolParser, call_arguments, dumps, ends_inside, json_end, loads
+from pyagent_parsers.base import Found, ScanningToolParser, any_of, call_arguments, dumps, ends_inside, json_end, loads
 
 _SPACE = re.compile(r"\s*")
 
@@ -62,7 +62,7 @@ class JsonCallsParser(ScanningToolParser):
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
         tokens = [*self.markers, *([self.end] if self.end else [])]
-        self._control = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+        self._control = any_of(tokens)
 
     def _unread(self, text: str) -> str:
         return self._control.sub("", text) if self.control else text

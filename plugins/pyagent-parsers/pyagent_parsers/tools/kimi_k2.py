@@ -23,12 +23,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pyagent_parsers.base import Found, ScanningToolParser, dumps, ends_inside, json_end, loads
+from pyagent_parsers.base import Found, ScanningToolParser, any_of, dumps, ends_inside, json_end, loads
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENTS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENTS, CALL_END)
-_CONTROL = re.compile("|".join(re.escape(t) for t in TOKENS))
+_CONTROL = any_of(TOKENS)
 _SPACE = re.compile(r"\s*")
 _CALL_ID = re.compile(r"[^<>\s]*")
 

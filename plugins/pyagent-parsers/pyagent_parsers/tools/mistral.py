@@ -41,14 +41,14 @@ import re
 import secrets
 from typing import Any
 
-from pyagent_parsers.base import Found, ScanningToolParser, dumps, json_end, loads
+from pyagent_parsers.base import Found, ScanningToolParser, any_of, dumps, json_end, loads
 
 MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _NOT_ALPHANUMERIC = re.compile(r"[-_]")
 _SPACE = re.compile(r"[ \t\n\r]*")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _ID = re.compile(r"[A-Za-z0-9]+")
-_CONTROL = re.compile("|".join(re.escape(token) for token in (MARKER, ARGS, CALL_ID)))
+_CONTROL = any_of((MARKER, ARGS, CALL_ID))
 
 
 def skip_space(text: str, i: int) -> int:

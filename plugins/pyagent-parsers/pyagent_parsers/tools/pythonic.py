@@ -57,7 +57,7 @@ _NEXT = re.compile(rf"{_HEAD.pattern}|{re.escape(START)}")
 _SPECIAL = re.compile(r"""[\[\](){}'"#]""")
 #: An element that starts like a call: ``name(``.
 _CALL_HEAD = re.compile(r"[^\W\d]\w*[ \t\n\r\f]*\(")
-_SPECIAL_OR_COMMA = re.compile(r"""[\[\](){}'"#,]""")
+_TOP_LEVEL = re.compile(r"[\[\](){},]")
 #: Inside a one-line string: an escape, the closing quote, or a newline (an error).
 _SINGLE = {q: re.compile(r"\\(?s:.)|[\n\r" + q + "]") for q in "'\""}
 #: Inside a triple-quoted string: an escape or the closing quotes.
@@ -166,41 +166,23 @@ def _parse(source: str) -> ast.expr | None:
 
 
 def elements(span: str) -> list[str]:
-    """The elements of a balanced ``[...]`` span, split at its top-level commas
-    (brackets, strings and comments matched as :func:`span_end` matches them)."""
-    parts, depth, i, last = [], 0, 0, 1
-    while True:
-        match = _SPECIAL_OR_COMMA.search(span, i)
-        if match is None:
-            break
+    """The elements of a balanced ``[...]`` span, split at its top-level commas; a
+    nested bracket is passed over whole by :func:`span_end`. A string or comment at
+    the top level is no call, so a split inside one only makes a piece that is none
+    either (and the list is then not a call list)."""
+    parts, i, last = [], 1, 1
+    while (match := _TOP_LEVEL.search(span, i)) is not None:
         i = match.start()
-        char = span[i]
-        if char in CLOSERS:
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-            if depth == 0:
-                parts.append(span[last:i])
+        if span[i] in CLOSERS:
+            inner = span_end(span, i)
+            if inner is None or not inner[1]:
                 break
-        elif char == ",":
-            if depth == 1:
-                parts.append(span[last:i])
-                last = i + 1
-        elif char == "#":
-            i = span.find("\n", i)
-            if i == -1:
-                break
+            i = inner[0]
             continue
-        else:
-            triple = span.startswith(char * 3, i)
-            pattern = (_TRIPLE if triple else _SINGLE)[char]
-            i += 3 if triple else 1
-            while (match := pattern.search(span, i)) is not None:
-                i = match.end()
-                if match.group()[0] != "\\":
-                    break
-            continue
-        i += 1
+        parts.append(span[last:i])
+        if span[i] != ",":
+            break  # the list's own closing bracket
+        i = last = i + 1
     return [part for part in parts if part.strip()]
 
 
