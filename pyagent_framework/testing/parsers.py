@@ -83,7 +83,7 @@ def _ids(text: str) -> list[int]:
 
 def check_linear(parse, pieces: Sequence[str], *, reports_time: bool = False) -> None:
     """``parse`` of each piece repeated to 500 KB takes under 1 s, or under 25 times
-    its time on a tenth as much (a loaded machine slows both alike; a quadratic scan
+    its time on a tenth as much (each the faster of two runs) (a loaded machine slows both alike; a quadratic scan
     takes 100 times as long). With ``reports_time``, ``parse`` returns the seconds
     to count (the parser's own, not the harness's)."""
     for piece in pieces:
@@ -92,9 +92,12 @@ def check_linear(parse, pieces: Sequence[str], *, reports_time: bool = False) ->
         times = []
         for size in (ADVERSARIAL_BYTES // 10, ADVERSARIAL_BYTES):
             text = (piece * (size // len(piece) + 1))[:size]
-            began = time.perf_counter()
-            reported = parse(text)
-            times.append(reported if reports_time else time.perf_counter() - began)
+            runs = []
+            for _ in range(2):  # the faster of two: one stall of a shared machine is not the parser's time
+                began = time.perf_counter()
+                reported = parse(text)
+                runs.append(reported if reports_time else time.perf_counter() - began)
+            times.append(min(runs))
         small, big = times
         assert big < max(LINEAR_BOUND_S, 25 * small), f"{piece[:30]!r} repeated: {small:.3f}s for 50 KB, {big:.2f}s for 500 KB"
 
