@@ -5,6 +5,7 @@ completions' shapes, and the tool-call / reasoning parser hooks."""
 from __future__ import annotations
 
 import json
+import threading
 import re
 
 import jsonschema
@@ -438,12 +439,18 @@ def test_parser_names_are_checked_at_start():
 def test_dead_engine_is_503_and_health_says_so(path):
     engine = AsyncLLM.from_args(model=path, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
 
+    working_step = engine.client.get_outputs
+    broken = threading.Event()  # the device fails only once the healthy engine has been seen
+
     def broken_step(timeout=None):
+        if not broken.is_set():
+            return working_step(timeout=timeout)
         raise RuntimeError("simulated device failure")
 
     engine.client.get_outputs = broken_step
     with make_client(engine) as c:
         assert c.get("/health").status_code == 200
+        broken.set()
         response = chat(c)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
         health = c.get("/health")
