@@ -69,10 +69,19 @@ class GrammarSpec:
     ``value`` is a JSON schema (dict or JSON text) for ``json_schema``, ``None`` for
     ``json_object``, a pattern for ``regex``, a list of strings for ``choice``, grammar
     text for ``grammar`` and a backend-defined mapping for ``structural_tag``.
+
+    ``checked_after``: whoever asked validates each finished output against the JSON
+    schema (the engine does, for every ``json_schema`` spec). A backend may then leave
+    to that check the keywords its grammar cannot express (``uniqueItems``, a
+    ``oneOf`` whose branches overlap, ...), compiling a grammar that admits more than
+    the schema at those places only, instead of refusing the spec. Without it a
+    backend refuses what it cannot enforce. A grammar may always admit less than the
+    schema (every output it admits must be valid).
     """
 
     kind: GrammarKind
     value: Any = None
+    checked_after: bool = False
 
 
 @dataclass(frozen=True)

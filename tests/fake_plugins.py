@@ -145,3 +145,20 @@ class FakeBackend(GrammarBackend):
 
 class Refuses(FakeBackend):
     refuse = True
+
+
+class SaysInvalid(FakeBackend):
+    """Calls every spec wrong (a backend whose schema reading has a bug)."""
+
+    def compile(self, spec, tokenizer_info):
+        raise ValueError("SaysInvalid finds it wrong")
+
+
+class Loose(FakeBackend):
+    """Compiles any JSON schema as ``{"type": "integer"}``: a grammar that admits what
+    the schema does not, which the check after generation must catch."""
+
+    def compile(self, spec, tokenizer_info):
+        if spec.kind == "json_schema":
+            spec = type(spec)("json_schema", {"type": "integer", "minimum": 0, "maximum": 9})
+        return self._real().compile(spec, tokenizer_info)

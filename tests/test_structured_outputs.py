@@ -248,7 +248,8 @@ def fakes(tmp_path, monkeypatch):
     """Fake grammar backends (tests.fake_plugins.FakeBackend: xgrammar underneath, but
     refuses or fails as told), registered here and installed for a core process of its
     own started by the test."""
-    names = {"fake-refuses": "tests.fake_plugins:Refuses", "fake-ok": "tests.fake_plugins:FakeBackend"}
+    names = {"fake-refuses": "tests.fake_plugins:Refuses", "fake-ok": "tests.fake_plugins:FakeBackend",
+             "fake-invalid": "tests.fake_plugins:SaysInvalid", "fake-loose": "tests.fake_plugins:Loose"}
     with plugin_dist.installed(monkeypatch, tmp_path / "plugins", {"grammar_backends": names}):
         yield names
 
@@ -280,7 +281,13 @@ def test_auto_falls_back_past_a_backend_that_refuses(fakes, monkeypatch):
     monkeypatch.setattr("pyagent_framework.engine.structured.PREFERRED_BACKENDS", ("fake-refuses", "fake-ok"))
     grammar = manager().submit(StructuredOutputsParams(regex="a+").spec()).result(10)
     assert grammar.backend_name == "fake-ok"
-    # A wrong spec is wrong for everyone: no fallback, the error names it.
+    # A backend that calls a spec wrong does not stop the next (its reading may be the
+    # wrong one); when none compiles it, the error is the first "wrong".
+    monkeypatch.setattr("pyagent_framework.engine.structured.PREFERRED_BACKENDS", ("fake-invalid", "fake-ok"))
+    assert manager().submit(StructuredOutputsParams(regex="a+").spec()).result(10).backend_name == "fake-ok"
+    with pytest.raises(InvalidRequestError, match="SaysInvalid finds it wrong") as info:
+        manager().submit(StructuredOutputsParams(regex="(abc").spec()).result(10)
+    assert info.value.param == "structured_outputs"
     with pytest.raises(InvalidRequestError, match="bad spec, says the fake"):
         manager().submit(StructuredOutputsParams(regex="bad").spec(), "fake-ok").result(10)
     with pytest.raises(InvalidRequestError, match="no grammar backend supports.*Refuses refuses"):
@@ -409,3 +416,33 @@ def test_a_request_aborted_while_compiling_is_dropped(path, gate):
     gate.set()
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert not engine.core.grammar.compiling and not engine.core.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------- the check after generation
+
+
+def test_an_output_that_breaks_its_schema_fails_its_request_naming_the_keyword(path, fakes):
+    """A grammar that admits more than the schema (here a fake backend's, on purpose;
+    in practice a keyword a backend leaves to this check) cannot return an invalid
+    output as if it conformed: the request fails naming the keyword and the place,
+    and the engine goes on serving."""
+    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=128, grammar_backend="fake-loose")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    [out] = run(llm, {"json": schema}, max_tokens=8)
+    assert out.finish_reason == "error"
+    [request] = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"json": schema}))
+    assert request.error_kind == "invalid_output"
+    assert "breaks the JSON schema at /" in request.error and "keyword 'type'" in request.error
+    assert re.fullmatch("[0-9]", run(llm, {"json": {"type": "integer", "maximum": 5}}, max_tokens=8)[0].text)
+    assert run(llm, {"regex": "[xy]{3}"})[0].finish_reason == "stop"
+
+
+def test_xgrammar_leaves_what_it_cannot_enforce_to_the_check(llm):
+    """``uniqueItems`` under xgrammar: the grammar takes [1, 1] (it cannot count
+    distinct items), which the check refuses; a ``not`` it drops is checked too."""
+    schema = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    [request] = llm.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, structured_outputs={"json": schema}))
+    assert request.error_kind == "invalid_output" and "keyword 'uniqueItems'" in request.error
+    schema = {"type": "integer", "minimum": 0, "maximum": 3, "not": {"const": 7}}
+    for out in run(llm, {"json": schema}, n=3, temperature=1.0, seed=1, max_tokens=8):
+        assert out.finish_reason == "stop" and 0 <= json.loads(out.text) <= 3

@@ -48,7 +48,9 @@ class GrammarGate:
     def submit(self, seq: Sequence, grammar: GrammarRequest) -> concurrent.futures.Future:
         """Start compiling the sequence's grammar; it waits here until :meth:`ready`.
         The future fails with InvalidRequestError for a spec no backend compiles."""
-        future = self.structured.submit(GrammarSpec(grammar.kind, grammar.value), grammar.backend)
+        # The front end validates every finished JSON-schema output (output_processor).
+        spec = GrammarSpec(grammar.kind, grammar.value, checked_after=grammar.kind == "json_schema")
+        future = self.structured.submit(spec, grammar.backend)
         self.compiling.append((seq, grammar, future))
         return future
 

@@ -14,7 +14,7 @@ The requests, each answered by one reply:
   (plugins are discovered by entry point) and compiles a trivial spec with it, so its
   tokenizer tables are built before any spec's compile clock starts. Replies
   ``{"ok": true, "target": "module:Class"}``, payload: that trivial grammar serialized.
-- ``{"op": "compile", "backend": name, "kind": kind, "value": value}``: replies
+- ``{"op": "compile", "backend": name, "kind": kind, "value": value, "checked_after": bool}``: replies
   ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar.
 
 A failure replies ``{"ok": false, "error": "ValueError" | "NotImplementedError" |
@@ -171,7 +171,7 @@ def _handle(header: dict, payload: bytes, state: dict[str, Any]) -> tuple[dict, 
         return {"ok": True, "target": f"{type(backend).__module__}:{type(backend).__qualname__}"}, data
     if op == "compile":
         backend = backends[header["backend"]]
-        compiled = backend.compile(GrammarSpec(header["kind"], header["value"]), info)
+        compiled = backend.compile(GrammarSpec(header["kind"], header["value"], bool(header.get("checked_after"))), info)
         return {"ok": True}, backend.serialize(compiled)
     raise ValueError(f"unknown request {op!r}")
 

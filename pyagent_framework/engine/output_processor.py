@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pyagent_framework.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_length
 from pyagent_framework.engine import output_parsers
 from pyagent_framework.engine.faults import PluginCallError, call_plugin
+from pyagent_framework.engine.output_check import schema_violation
 from pyagent_framework.engine.output_parsers import OutputParsers, SampleParsers
 from pyagent_framework.engine.outputs import CompletionOutput, Logprob, ParsedMessage, RequestMetrics, RequestOutput
 from pyagent_framework.engine.params import SamplingParams
@@ -208,6 +209,25 @@ class OutputProcessor:
             sample.text += tail
             if tail:
                 self._cut_at_stop(sample, params, len(tail))
+            problem = self._check_after(state, sample)
+            if problem is not None:
+                sample.finish_reason = "error"
+                self._fail(state, f"structured_outputs: {problem}", "invalid_output", now, aborts)
+
+    def _check_after(self, state: RequestState, sample: SampleState) -> str | None:
+        """What is wrong with a sample the grammar ended, against its JSON schema (see
+        :mod:`~pyagent_framework.engine.output_check`); None when it conforms or was not
+        ended by the grammar (a stop string or ``max_tokens`` cut it)."""
+        structured = state.params.structured_outputs
+        if (structured is None or structured.json is None or sample.finish_reason != "stop"
+                or isinstance(sample.stop_reason, str)):
+            return None
+        text = sample.text
+        parsers = sample.parsers
+        if parsers is not None and parsers.reasoning is not None:  # the grammar starts after the reasoning
+            split = parsers.call("reasoning_parser", "extract", parsers.reasoning.extract, text, parsers.spec.request)
+            text = split.content or ""
+        return schema_violation(structured.json, text)
 
     def _cut_at_stop(self, sample: SampleState, params: SamplingParams, new_chars: int) -> bool:
         """If a stop string ends in the last ``new_chars`` characters, cut the text there

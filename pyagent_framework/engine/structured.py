@@ -153,7 +153,7 @@ class StructuredOutputManager:
         shares its compile."""
         choice = backend or self.default_backend
         names = self._candidates(choice, spec)
-        key = (choice, spec.kind, _spec_text(spec))
+        key = (choice, spec.kind, spec.checked_after, _spec_text(spec))
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
@@ -257,6 +257,7 @@ class StructuredOutputManager:
     def _compile(self, job: _Job) -> Grammar:
         spec, info = job.spec, self._tokenizer_info()
         refusals = []
+        invalid: ValueError | None = None  # under auto, one backend's "wrong" does not stop the next
         for name in job.names:
             backend = self._backend(name)
             if spec.kind not in backend.supported_kinds:
@@ -274,7 +275,9 @@ class StructuredOutputManager:
                 refusals.append(reason if reason.startswith(name) else f"{name}: {reason}")
                 continue
             except ValueError as exc:
-                raise InvalidRequestError(f"structured_outputs: {exc}", param="structured_outputs") from None
+                invalid = invalid or exc
+                refusals.append(f"{name}: {exc}")
+                continue
             except Exception as exc:  # a backend bug must not take the engine down
                 logger.exception("grammar backend %r failed to compile a %s spec", name, spec.kind)
                 raise InvalidRequestError(
@@ -282,6 +285,8 @@ class StructuredOutputManager:
                     param="structured_outputs",
                 ) from None
             return Grammar(name, backend, compiled, int(backend.memory_bytes(compiled)) + len(_spec_text(spec)))
+        if invalid is not None:
+            raise InvalidRequestError(f"structured_outputs: {invalid}", param="structured_outputs")
         raise InvalidRequestError(
             "structured_outputs: no grammar backend supports this spec (" + "; ".join(refusals) + ")",
             param="structured_outputs",
@@ -290,7 +295,7 @@ class StructuredOutputManager:
     def _compile_in_worker(self, job: _Job, name: str, backend: GrammarBackend, info: TokenizerInfo) -> Any:
         """Compile in the job's worker process and deserialize the result; the worker's
         errors are raised here as the backend raised them there."""
-        request = {"op": "compile", "backend": name, "kind": job.spec.kind, "value": job.spec.value}
+        request = {"op": "compile", "backend": name, "kind": job.spec.kind, "value": job.spec.value, "checked_after": job.spec.checked_after}
         job.in_worker = True
         try:
             reply, data = job.worker.call(request)

@@ -88,6 +88,8 @@ def check_output(out: RequestOutput) -> None:
         return
     if out.error_kind == "invalid_request":
         raise APIError(400, out.error, param="structured_outputs" if out.error.startswith("structured_outputs") else None)
+    if out.error_kind == "invalid_output":  # the check after generation found the output breaks its schema
+        raise APIError(500, out.error, code="invalid_output")
     raise APIError(500, out.error, code="request_failed")
 
 

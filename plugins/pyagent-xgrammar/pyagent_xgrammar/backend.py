@@ -66,7 +66,7 @@ class XGrammarBackend(GrammarBackend):
         source = _source(spec)
         try:
             if spec.kind == "json_schema":
-                return compiler.compile_grammar(xgrammar_grammar(json.loads(source)))
+                return compiler.compile_grammar(xgrammar_grammar(json.loads(source), spec.checked_after))
             if spec.kind == "json_object":  # an object, as OpenAI's json_object mode promises
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":

@@ -7,7 +7,12 @@ will (from the root, through ``$ref`` and every subschema keyword) and raises
 ``NotImplementedError`` naming the first keyword, with its place, that xgrammar would
 not enforce, so ``auto`` falls back to another backend or the request fails with that
 reason. Where a small rewrite makes xgrammar exact, the walk makes it on a copy
-(:data:`KEYWORDS` says which). Keywords that constrain nothing (``title``,
+(:data:`KEYWORDS` says which): ``allOf`` merged, siblings of ``$ref`` and ``anyOf``
+merged in, draft 7 tuples, undeclared required names, enums filtered by their
+siblings. When the caller checks each output against the schema afterwards
+(``GrammarSpec.checked_after``, as the engine does), a keyword xgrammar cannot
+enforce is dropped from the copy instead of refused, where the grammar then admits
+more than the schema at that place only. Keywords that constrain nothing (``title``,
 ``description``, ``examples``, ``default``, ``$schema``, ``$id``, ``$comment``,
 ``deprecated``, ``readOnly``, ``writeOnly``, ``x-...``, any unknown keyword) pass.
 
@@ -27,28 +32,34 @@ from typing import Any
 
 #: keyword -> what xgrammar 0.2.8 does with it, after this module's check and rewrites.
 KEYWORDS: dict[str, str] = {
+    # "refused" below means: refused, or with ``checked_after`` dropped from the grammar
+    # (which then admits more there) and left to the check after generation. "Exact"
+    # rewrites happen either way.
     # any type
     "type": "honoured, also as a list (['string', 'null']); a schema with no 'type' but "
     "string or number keywords gets the type they imply (xgrammar would ignore them)",
-    "const": "honoured alone or with 'type' (a const the type excludes is a ValueError); "
-    "refused with any other sibling constraint (xgrammar generates the const regardless)",
-    "enum": "honoured alone or with 'type' (values the type excludes are dropped); refused "
-    "with any other sibling constraint",
-    "$ref": "honoured for '#' and '#/...' pointers, recursion included; refused with sibling "
-    "constraints (ignored), for other URIs and anchors (any value), for pointers "
-    "through arrays or with ~ / % escapes (unresolvable), and under a nested '$id'",
-    "$dynamicRef / $recursiveRef": "refused (not resolved)",
-    "anyOf": "honoured; refused with sibling constraints (xgrammar drops the siblings, 'type' too)",
+    "const": "honoured alone or with 'type' (a const the type excludes is a ValueError); beside "
+    "keywords a value is checked against alone (lengths, bounds, pattern, format, ...) it is kept "
+    "only if it satisfies them (exact); refused beside others (xgrammar generates it regardless)",
+    "enum": "as const: values the type or such sibling keywords exclude are dropped (exact)",
+    "$ref": "honoured for '#' and '#/...' pointers, recursion included; sibling constraints are "
+    "merged into the target (exact) where the merge is simple, else refused; refused for other "
+    "URIs and anchors (any value), for pointers through arrays or with ~ / % escapes "
+    "(unresolvable), and under a nested '$id' (never left to the check)",
+    "$dynamicRef / $recursiveRef": "refused (not resolved; never left to the check)",
+    "anyOf": "honoured; sibling constraints are merged into each branch (exact), else refused",
     "oneOf": "honoured when the branches are provably exclusive (different types, different "
     "const/enum values, or objects told apart by a required const/enum property); refused "
-    "otherwise (xgrammar falls back to anyOf) and with sibling constraints",
-    "allOf": "honoured with one subschema and no sibling constraints; refused otherwise "
-    "(several subschemas become 'any JSON value')",
+    "otherwise (xgrammar falls back to anyOf); siblings as for anyOf",
+    "allOf": "its subschemas and siblings are merged into one schema (exact: types intersected, "
+    "bounds tightened, properties and required joined, enums intersected); refused where two "
+    "differ in what cannot be merged simply (two patterns, two formats, two anyOfs, ...)",
     "not": "refused (dropped)",
     "if / then / else": "refused (dropped); 'if' with neither 'then' nor 'else' constrains nothing",
     # strings
-    "minLength / maxLength": "honoured (characters, not UTF-16 units); refused with 'pattern' or "
-    "'format' (xgrammar drops the lengths)",
+    "minLength / maxLength": "honoured (characters, not UTF-16 units; long bounds split into blocks, "
+    "which keeps compiles fast); refused with 'pattern' or 'format' (xgrammar drops the lengths), "
+    "unless every value of the format fits them (uuid, date)",
     "pattern": "honoured, matched whole (a subset of search semantics), compiled by xgrammar's regex "
     "path with JSON escapes written in (its JSON-string regex mode lets '(ab+)?' take 'b' and "
     "'(b|b{1,2})' take 'bbb', and writes quotes, backslashes and control characters unescaped); "
@@ -63,23 +74,29 @@ KEYWORDS: dict[str, str] = {
     "other names are annotations",
     # numbers
     "minimum / maximum / exclusiveMinimum / exclusiveMaximum": "honoured; on integers, fractional "
-    "bounds are rounded inward and bounds beyond 64 bits refused; on numbers (6 decimals at most "
-    "in a bounded range), a range with no 6-decimal number in it is refused",
+    "bounds are rounded inward and bounds beyond 64 bits narrowed to them (a range with no 64-bit "
+    "integer is refused); on numbers (6 decimals at most in a bounded range), a range with no "
+    "6-decimal number in it is refused",
     "multipleOf": "honoured for integers by an integer; refused on 'number' and for a fractional "
     "divisor (ignored)",
     # arrays
     "items / prefixItems / minItems / maxItems / unevaluatedItems": "honoured; 'items' as a list "
-    "(draft 7 tuples) is refused",
+    "(draft 7 tuples) becomes prefixItems, and 'additionalItems' items (exact); 'items': false "
+    "becomes maxItems",
     "uniqueItems": "refused when true, unless maxItems <= 1 (ignored)",
     "contains / minContains / maxContains": "refused, unless minContains is 0 with no maxContains "
     "(ignored)",
     # objects
     "properties / additionalProperties / unevaluatedProperties / maxProperties": "honoured "
-    "(properties come in the declared order; undeclared ones where additionalProperties, true "
-    "unless stated, or patternProperties allows them); unevaluatedProperties beside subschemas "
-    "that evaluate properties is refused",
-    "required": "honoured for declared properties; a name 'properties' does not declare is refused "
-    "(xgrammar never generates it)",
+    "(properties come in the declared order; undeclared ones where additionalProperties or "
+    "patternProperties is given, where the object declares no property, or where minProperties "
+    "needs more than are declared; an object that only allows undeclared properties, by JSON "
+    "Schema's default, is generated with its declared ones: a subset of its instances, and a "
+    "compile without the trie that keeps undeclared keys apart from every declared name); "
+    "a property whose schema is false is dropped (refused where an undeclared key may take its "
+    "name); unevaluatedProperties beside subschemas that evaluate properties is refused",
+    "required": "honoured; a name 'properties' does not declare is declared with the schema "
+    "patternProperties or additionalProperties gives it (xgrammar never generates it otherwise)",
     "patternProperties": "honoured (keys match a pattern whole); refused when a declared property "
     "name matches a pattern too (the property's schema alone is applied)",
     "propertyNames": "honoured with no declared properties and no patternProperties; refused "
@@ -148,26 +165,30 @@ _INT64 = (-(2**63), 2**63 - 1)
 _NUMBER_DECIMALS = 6  # xgrammar writes a bounded number with at most this many decimals
 
 
-def prepare_schema(value: Any) -> tuple[Any, list[str]]:
+def prepare_schema(value: Any, checked_after: bool = False) -> tuple[Any, list[str]]:
     """A copy of the schema for xgrammar, with the rewrites of :data:`KEYWORDS` made, and
     its patterns: the copy holds ``PLACEHOLDER.format(n)`` for the n-th, whose grammar
     rule is to be replaced by :func:`pattern_rules` (``xgrammar_grammar`` does both).
     Raises ``NotImplementedError`` naming a keyword xgrammar would not enforce and
-    ``ValueError`` for a schema that is wrong."""
+    ``ValueError`` for a schema that is wrong. With ``checked_after`` (the caller
+    validates each output against the schema), a keyword whose removal leaves a grammar
+    that admits more than the schema at that place is removed instead of refused."""
     if isinstance(value, bool):
         return value, []
     root = copy.deepcopy(value)
-    walk = _Walk(root)
+    walk = _Walk(root, checked_after)
     walk.visit(root, "", top=True)
+    for node in walk.closable:
+        node.setdefault("additionalProperties", False)
     return root, walk.patterns
 
 
-def xgrammar_grammar(value: Any) -> Any:
+def xgrammar_grammar(value: Any, checked_after: bool = False) -> Any:
     """The xgrammar ``Grammar`` for a JSON schema (a dict or bool), checked and rewritten
     by :func:`prepare_schema`, with whitespace as ``json.dumps`` writes it."""
     import xgrammar as xgr
 
-    schema, patterns = prepare_schema(value)
+    schema, patterns = prepare_schema(value, checked_after)
     # strict_mode=False: JSON Schema's own defaults (undeclared properties allowed
     # unless additionalProperties says otherwise, items of any kind unless "items" does).
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=False)
@@ -190,7 +211,124 @@ def xgrammar_grammar(value: Any) -> Any:
         changed = True
     if "json_string=true" in text:  # a pattern this module did not stand in for
         raise NotImplementedError("xgrammar: a JSON-schema pattern could not be compiled exactly")
-    return xgr.Grammar.from_ebnf(text) if changed else grammar
+    compact = compact_grammar(text, any_keys=checked_after)
+    return xgr.Grammar.from_ebnf(compact) if changed or compact != text else grammar
+
+
+# ---------------------------------------------------------------------- compile cost
+
+_RULE_LINE = re.compile(r"^([A-Za-z_]\w*) ::= (.*)$")
+_REPEAT = re.compile(r"([A-Za-z_]\w*)\{(\d+), (-?\d+)\}")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+#: Repetitions up to this count are left to xgrammar; longer ones are split into blocks.
+REPEAT_BLOCK = 16
+
+
+def compact_grammar(text: str, any_keys: bool = False) -> str:
+    """The same language with fewer grammar positions, which is what xgrammar's compile
+    time grows with (each position precomputes a mask over the whole vocabulary):
+
+    - a bounded repetition ``x{lo, hi}`` longer than :data:`REPEAT_BLOCK` (a string's
+      maxLength of 255 is 255 positions, ~2 s on 49k tokens) becomes blocks of blocks
+      of 16, exactly the same lengths in O(16 log hi) positions;
+    - rules with the same body become one (a schema's forty ``maxLength: 255``
+      properties compile once);
+    - with ``any_keys`` (the output is checked after generation), an undeclared
+      property's key is any JSON string: xgrammar writes a trie that excludes every
+      declared name, one position per character of each (tens of seconds on large open
+      objects); a declared name repeated as an undeclared key is then left to the
+      check (which sees the last of two equal keys, as JSON parsers do);
+    - rules no longer reachable from ``root`` are dropped.
+    """
+    rules: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        match = _RULE_LINE.match(line)
+        if match is None:  # not the printer's one-rule-per-line form: left alone
+            return text
+        rules[match.group(1)] = match.group(2)
+    if any_keys and "basic_string_sub" in rules:
+        for name in rules:
+            if name.endswith("_addl_key"):
+                rules[name] = '(("\\"" basic_string_sub))'
+    blocks: dict[str, str] = {}
+    rules = {name: _rewrite_code(body, lambda code: _REPEAT.sub(lambda m: _split_repeat(m, rules, blocks), code))
+             for name, body in rules.items()}
+    rules.update(blocks)
+    while True:
+        canonical: dict[str, str] = {}
+        renamed = {}
+        for name, body in rules.items():
+            first = canonical.setdefault(body, name)
+            if first != name and name != "root":
+                renamed[name] = first
+        if not renamed:
+            break
+        rules = {name: _rewrite_code(body, lambda code: _NAME.sub(lambda m: renamed.get(m.group(0), m.group(0)), code))
+                 for name, body in rules.items() if name not in renamed}
+    reached, todo = {"root"}, ["root"]
+    while todo:
+        for code in _code_parts(rules.get(todo.pop(), "")):
+            for used in _NAME.findall(code):
+                if used in rules and used not in reached:
+                    reached.add(used)
+                    todo.append(used)
+    return "\n".join(f"{name} ::= {body}" for name, body in rules.items() if name in reached)
+
+
+def _code_parts(body: str) -> list[str]:
+    parts: list[str] = []
+    _rewrite_code(body, lambda code: parts.append(code) or code)
+    return parts
+
+
+def _rewrite_code(body: str, rewrite) -> str:
+    """``body`` with ``rewrite`` applied to the text outside string literals and
+    character classes."""
+    out, code = [], []
+    for token in _EBNF_TOKEN.findall(body):
+        if token[0] in "\"[" and len(token) > 1:
+            out.append(rewrite("".join(code)))
+            out.append(token)
+            code = []
+        else:
+            code.append(token)
+    out.append(rewrite("".join(code)))
+    return "".join(out)
+
+
+def _split_repeat(match: re.Match, rules: dict[str, str], blocks: dict[str, str]) -> str:
+    item, low, high = match.group(1), int(match.group(2)), int(match.group(3))
+    if high < 0 or high - low <= REPEAT_BLOCK and low <= REPEAT_BLOCK:
+        return match.group(0)
+
+    def block(name: str) -> str:
+        big = f"{name}_x{REPEAT_BLOCK}"
+        while big in rules and big not in blocks:
+            big += "_"
+        blocks[big] = f"(({name}{{{REPEAT_BLOCK}, {REPEAT_BLOCK}}}))"
+        return big
+
+    def exactly(name: str, count: int) -> str:
+        if count <= REPEAT_BLOCK:
+            return f"{name}{{{count}, {count}}}" if count else ""
+        blocks_of, rest = divmod(count, REPEAT_BLOCK)
+        return _seq(exactly(block(name), blocks_of), exactly(name, rest))
+
+    def at_most(name: str, count: int) -> str:
+        if count <= REPEAT_BLOCK:
+            return f"{name}{{0, {count}}}" if count else ""
+        blocks_of, rest = divmod(count, REPEAT_BLOCK)
+        bigger = block(name)
+        fewer = _seq(at_most(bigger, blocks_of - 1), f"{name}{{0, {REPEAT_BLOCK - 1}}}")
+        return f"(({fewer}) | ({_seq(exactly(bigger, blocks_of), at_most(name, rest))}))"
+
+    return f"({_seq(exactly(item, low), at_most(item, high - low))})"
+
+
+def _seq(*parts: str) -> str:
+    return " ".join(p for p in parts if p) or '""'
 
 
 _LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
@@ -529,11 +667,21 @@ def _is_number(value: Any) -> bool:
 
 
 class _Walk:
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, checked_after: bool = False) -> None:
         self.root = root
+        self.checked_after = checked_after
+        self.relaxed: list[str] = []  # "keyword at place", left to the check after generation
+        self.closable: list[dict] = []  # objects that get additionalProperties: false after the walk
         self.seen: set[int] = set()
         self.patterns: list[str] = []
         self.has_refs = "$ref" in json.dumps(root)
+
+    def unenforced(self, keyword: str, where: str, why: str) -> None:
+        """xgrammar cannot enforce ``keyword`` here: refused, or with ``checked_after``
+        recorded and left to the check (the caller drops it from the copy)."""
+        if not self.checked_after:
+            raise refuse(keyword, where, why)
+        self.relaxed.append(f"{keyword} at {where or '/'}")
 
     # ------------------------------------------------------------------ references
 
@@ -579,20 +727,36 @@ class _Walk:
         self.seen.add(id(node))
         if "$id" in node and not top and self.has_refs:
             raise refuse("$id", where, "references are resolved from the root, not from a nested '$id'")
-        constraints = _constraints(node)
-        for keyword in ("$dynamicRef", "$recursiveRef", "not"):
+        for keyword in ("$dynamicRef", "$recursiveRef"):
             if keyword in node:
                 raise refuse(keyword, where, "xgrammar ignores it")
+        if "not" in node:
+            self.unenforced("not", where, "xgrammar ignores it")
+            del node["not"]
         if "if" in node and ("then" in node or "else" in node):
-            raise refuse("if", where, "xgrammar ignores if/then/else")
+            self.unenforced("if", where, "xgrammar ignores if/then/else")
+            for keyword in ("if", "then", "else"):
+                node.pop(keyword, None)
         for keyword in ("dependentRequired", "dependentSchemas", "dependencies"):
             if node.get(keyword):
-                raise refuse(keyword, where, "xgrammar ignores it")
+                self.unenforced(keyword, where, "xgrammar ignores it")
+                del node[keyword]
+        constraints = _constraints(node)
         if "$ref" in node:
-            if constraints - {"$ref"}:
-                raise refuse(_first(constraints - {"$ref"}), where, "xgrammar ignores the siblings of '$ref'")
-            self.visit(self.target(node, where), node["$ref"])
-            return
+            siblings = constraints - {"$ref"}
+            if not siblings:
+                self.visit(self.target(node, where), node["$ref"])
+                return
+            # xgrammar ignores the siblings of '$ref': the two are merged into one schema
+            merged = _merge(self.target({"$ref": node["$ref"]}, where), {k: node[k] for k in siblings})
+            if merged is None:
+                self.unenforced(_first(siblings), where, "xgrammar ignores the siblings of '$ref'")
+                for keyword in siblings:
+                    del node[keyword]
+                self.visit(self.target(node, where), node["$ref"])
+                return
+            _replace(node, merged)
+            constraints = _constraints(node)
         combinators = [k for k in _COMBINATORS if k in node]
         if combinators:
             self.combinator(node, combinators, constraints, where)
@@ -633,31 +797,70 @@ class _Walk:
         return types
 
     def combinator(self, node: dict, combinators: list[str], constraints: set[str], where: str) -> None:
+        for keyword in combinators:
+            if not isinstance(node[keyword], list) or not node[keyword]:
+                raise ValueError(f"invalid json_schema: {keyword} at {where or '/'} must be a non-empty array")
+        if "allOf" in node:  # xgrammar turns several subschemas, or siblings, into any value: merged here
+            merged: Any = {k: v for k, v in node.items() if k != "allOf"}
+            for branch in node["allOf"]:
+                merged = None if merged is None else _merge(merged, self.target(branch, where))
+            if merged is None:
+                self.unenforced("allOf", where, "xgrammar turns several allOf subschemas into any JSON value")
+                node["allOf"] = node["allOf"][:1]  # a superset: the first subschema alone
+                if constraints - {"allOf"}:
+                    self.unenforced(_first(constraints - {"allOf"}), where, "xgrammar ignores the siblings of 'allOf'")
+                    for keyword in constraints - {"allOf"}:
+                        del node[keyword]
+                self.visit(node["allOf"][0], f"{where}/allOf/0")
+                return
+            _replace(node, merged)
+            self.seen.discard(id(node))
+            self.visit(node, where)
+            return
         keyword = combinators[0]
         siblings = constraints - {keyword}
-        if siblings:
-            raise refuse(_first(siblings), where, f"xgrammar ignores the siblings of {keyword!r}")
+        if siblings:  # xgrammar drops them: each branch gets them instead
+            common = {k: node[k] for k in siblings}
+            branches = [_merge(common, self.target(b, where)) for b in node[keyword]]
+            if any(b is None for b in branches):
+                self.unenforced(_first(siblings), where, f"xgrammar ignores the siblings of {keyword!r}")
+                for key in siblings:
+                    del node[key]
+            else:
+                for key in siblings:
+                    del node[key]
+                node[keyword] = branches
         branches = node[keyword]
-        if not isinstance(branches, list) or not branches:
-            raise ValueError(f"invalid json_schema: {keyword} at {where or '/'} must be a non-empty array")
-        if keyword == "allOf" and len(branches) > 1:
-            raise refuse("allOf", where, "xgrammar turns several allOf subschemas into any JSON value")
         if keyword == "oneOf":
-            for a in range(len(branches)):
-                for b in range(a + 1, len(branches)):
-                    if not self.exclusive(branches[a], branches[b], where):
-                        raise refuse("oneOf", where, f"branches {a} and {b} may both match and xgrammar does not "
-                                     "keep them exclusive (give them different types or const values)")
+            overlap = next(((a, b) for a in range(len(branches)) for b in range(a + 1, len(branches))
+                            if not self.exclusive(branches[a], branches[b], where)), None)
+            if overlap is not None:
+                self.unenforced("oneOf", where, f"branches {overlap[0]} and {overlap[1]} may both match and xgrammar "
+                                "does not keep them exclusive (give them different types or const values)")
+                node["anyOf"] = node.pop("oneOf")  # a superset: at least one branch
+                keyword = "anyOf"
         for index, branch in enumerate(branches):
             self.visit(branch, f"{where}/{keyword}/{index}")
 
     def constant(self, node: dict, constraints: set[str], where: str) -> None:
         siblings = constraints - {"const", "enum", "type"}
+        values = [node["const"]] if "const" in node else node["enum"] if isinstance(node.get("enum"), list) else None
         if "const" in node and "enum" in node:
             siblings.add("enum")
+        if values is not None and siblings and siblings <= _VALUE_KEYWORDS:
+            # xgrammar generates the listed values regardless of their siblings: the
+            # values that break them are dropped here instead, exactly.
+            kept = _satisfying(values, {k: node[k] for k in siblings | ({"type"} & constraints)})
+            if not kept:
+                raise ValueError(f"invalid json_schema: no value of the {'const' if 'const' in node else 'enum'} "
+                                 f"at {where or '/'} satisfies its other keywords")
+            for keyword in siblings | {"const"}:
+                node.pop(keyword, None)
+            node["enum"] = kept
+            siblings = set()
         if siblings:
             keyword = "const" if "const" in node else "enum"
-            raise refuse(_first(siblings), where, f"xgrammar generates the {keyword!r} values regardless of it")
+            self.unenforced(_first(siblings), where, f"xgrammar generates the {keyword!r} values regardless of it")
         types = _types(node)
         if types is None:
             return
@@ -678,24 +881,36 @@ class _Walk:
         if isinstance(fmt, str):
             fmt = FORMAT_ALIASES.get(fmt, fmt)
             if fmt in REFUSED_FORMATS:
-                raise refuse("format", where, f"format {fmt!r}: {REFUSED_FORMATS[fmt]}")
+                self.unenforced("format", where, f"format {fmt!r}: {REFUSED_FORMATS[fmt]}")
+                del node["format"]
+                fmt = None
             if fmt in FORMAT_PATTERNS or fmt in XGRAMMAR_FORMATS:
                 if "pattern" in node:
-                    raise refuse("pattern", where, "xgrammar ignores 'pattern' next to 'format'")
-                if lengths:
-                    raise refuse(lengths[0], where, "xgrammar ignores minLength/maxLength next to 'format'")
+                    self.unenforced("pattern", where, "xgrammar ignores 'pattern' next to 'format'")
+                    del node["pattern"]
+                if lengths and not _format_fits(fmt, node):
+                    self.unenforced(lengths[0], where, "xgrammar ignores minLength/maxLength next to 'format'")
+                for keyword in ("minLength", "maxLength"):
+                    node.pop(keyword, None)
                 if fmt in FORMAT_PATTERNS:
                     del node["format"]
                     node["pattern"] = self.placeholder(f"^{FORMAT_PATTERNS[fmt]}$", "format", where)
                 else:
                     node["format"] = fmt
                 return
-            del node["format"]  # not a JSON-Schema format: an annotation
+            if fmt is not None:
+                del node["format"]  # not a JSON-Schema format: an annotation
         pattern = node.get("pattern")
-        if isinstance(pattern, str):
+        if isinstance(pattern, str) and not _PLACEHOLDER_TEXT.fullmatch(pattern):
             if lengths:
-                raise refuse(lengths[0], where, "xgrammar ignores minLength/maxLength next to 'pattern'")
-            node["pattern"] = self.placeholder(pattern, "pattern", where)
+                self.unenforced(lengths[0], where, "xgrammar ignores minLength/maxLength next to 'pattern'")
+                for keyword in ("minLength", "maxLength"):
+                    node.pop(keyword, None)
+            try:
+                node["pattern"] = self.placeholder(pattern, "pattern", where)
+            except NotImplementedError as exc:
+                self.unenforced("pattern", where, str(exc).split(": ", 2)[-1])
+                del node["pattern"]
 
     def placeholder(self, pattern: str, keyword: str, where: str) -> str:
         """Keeps ``pattern`` (normalised) for :func:`pattern_rules` and returns what
@@ -709,11 +924,12 @@ class _Walk:
     def number(self, node: dict, types: set[str], where: str) -> None:
         step = node.get("multipleOf")
         if step is not None and _is_number(step):
-            if "number" in types:
-                raise refuse("multipleOf", where, "xgrammar ignores it on 'number'")
-            if not float(step).is_integer():
-                raise refuse("multipleOf", where, "xgrammar ignores a fractional multipleOf on integers")
-            node["multipleOf"] = int(step)
+            if "number" in types or not float(step).is_integer():
+                self.unenforced("multipleOf", where, "xgrammar ignores it on 'number'" if "number" in types
+                                else "xgrammar ignores a fractional multipleOf on integers")
+                del node["multipleOf"]
+            else:
+                node["multipleOf"] = int(step)
         bounds = {k: node[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if _is_number(node.get(k))}
         if not bounds:
             return
@@ -728,9 +944,13 @@ class _Walk:
                 node["minimum"] = max(low)
             if high:
                 node["maximum"] = min(high)
-            for keyword in ("minimum", "maximum"):
-                if keyword in node and not _INT64[0] <= node[keyword] <= _INT64[1]:
-                    raise refuse(keyword, where, "xgrammar bounds integers to 64 bits")
+            # xgrammar bounds integers to 64 bits: a wider range is narrowed to them
+            if node.get("minimum", _INT64[0]) > _INT64[1] or node.get("maximum", _INT64[1]) < _INT64[0]:
+                raise refuse("minimum" if "minimum" in node else "maximum", where, "xgrammar bounds integers to 64 bits")
+            if "minimum" in node and node["minimum"] < _INT64[0]:
+                del node["minimum"]
+            if "maximum" in node and node["maximum"] > _INT64[1]:
+                del node["maximum"]
             return
         # numbers: xgrammar writes a bounded number with at most 6 decimals
         low_key = "minimum" if "minimum" in bounds else "exclusiveMinimum" if "exclusiveMinimum" in bounds else None
@@ -747,12 +967,25 @@ class _Walk:
 
     def array(self, node: dict, where: str) -> None:
         items = node.get("items")
-        if isinstance(items, list):
-            raise refuse("items", where, "'items' as an array (draft 7 tuples) is not supported; use prefixItems")
+        if isinstance(items, list) and "prefixItems" not in node:  # draft 7 tuples, as 2020-12 writes them
+            node["prefixItems"] = node.pop("items")
+            if "additionalItems" in node:
+                node["items"] = node.pop("additionalItems")
+            items = node.get("items")
+        elif isinstance(items, list):
+            raise ValueError(f"invalid json_schema: 'items' at {where or '/'} is an array beside 'prefixItems'")
+        if items is False:  # nothing beyond prefixItems
+            prefix_count = len(node["prefixItems"]) if isinstance(node.get("prefixItems"), list) else 0
+            node["maxItems"] = min(node["maxItems"], prefix_count) if _is_number(node.get("maxItems")) else prefix_count
+            del node["items"]
+            items = None
         if node.get("uniqueItems") is True and not (_is_number(node.get("maxItems")) and node["maxItems"] <= 1):
-            raise refuse("uniqueItems", where, "xgrammar ignores it")
+            self.unenforced("uniqueItems", where, "xgrammar ignores it")
+            del node["uniqueItems"]
         if "contains" in node and not (node.get("minContains") == 0 and "maxContains" not in node):
-            raise refuse("contains", where, "xgrammar ignores contains/minContains/maxContains")
+            self.unenforced("contains", where, "xgrammar ignores contains/minContains/maxContains")
+            for keyword in ("contains", "minContains", "maxContains"):
+                node.pop(keyword, None)
         prefix = node.get("prefixItems")
         if isinstance(prefix, list):
             for index, sub in enumerate(prefix):
@@ -772,31 +1005,51 @@ class _Walk:
         properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
         required = node.get("required") if isinstance(node.get("required"), list) else []
-        for name in required:
-            if name not in properties:
-                raise refuse("required", where, f"{name!r} is not declared in 'properties' and xgrammar "
-                             "never generates it")
+        if "unevaluatedProperties" in node and "additionalProperties" not in node:
+            if any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")):
+                self.unenforced("unevaluatedProperties", where, "beside subschemas that evaluate properties")
+                del node["unevaluatedProperties"]
+            else:
+                # Without subschemas, what is unevaluated is what 'properties' and
+                # 'patternProperties' do not cover: additionalProperties says the same.
+                node["additionalProperties"] = node.pop("unevaluatedProperties")
+        undeclared = [name for name in required if isinstance(name, str) and name not in properties]
+        if undeclared:  # xgrammar never generates a key 'properties' does not declare: declared here
+            properties = node["properties"] = dict(properties)
+            for name in undeclared:
+                properties[name] = self.undeclared_schema(node, name, patterns, where)
+        for name in [n for n, sub in properties.items() if sub is False]:
+            if name in required:
+                raise ValueError(f"invalid json_schema: the required property {name!r} at {where or '/'} is false")
+            properties = node["properties"] = {k: v for k, v in properties.items() if k != name}
+            if node.get("additionalProperties", True) is not False or patterns:
+                self.unenforced("properties", where, f"{name!r} must not occur, and xgrammar may generate it as an "
+                                "undeclared property")
         for pattern in patterns:
             try:
                 matching = [name for name in properties if re.search(pattern, name)]
             except re.error:
                 matching = list(properties)
             if matching:
-                raise refuse("patternProperties", where, f"the declared property {matching[0]!r} matches {pattern!r} "
-                             "and xgrammar applies only its 'properties' schema")
+                self.unenforced("patternProperties", where, f"the declared property {matching[0]!r} matches "
+                                f"{pattern!r} and xgrammar applies only its 'properties' schema")
         if "propertyNames" in node and node["propertyNames"] is not True and (properties or patterns):
-            raise refuse("propertyNames", where, "xgrammar does not check declared or pattern property names")
-        if "unevaluatedProperties" in node and "additionalProperties" not in node:
-            if any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")):
-                raise refuse("unevaluatedProperties", where, "beside subschemas that evaluate properties")
-            # Without subschemas, what is unevaluated is what 'properties' and
-            # 'patternProperties' do not cover: additionalProperties says the same.
-            node["additionalProperties"] = node.pop("unevaluatedProperties")
-        extra = node.get("additionalProperties", True)
-        open_keys = extra is not False or bool(patterns)
+            self.unenforced("propertyNames", where, "xgrammar does not check declared or pattern property names")
+            del node["propertyNames"]
         minimum = node.get("minProperties")
+        extra = node.get("additionalProperties", True)
+        if ("additionalProperties" not in node and properties and not patterns
+                and not (_is_number(minimum) and minimum > len(properties))):
+            # Undeclared properties are allowed but never needed here: the grammar
+            # generates the declared ones only (a subset of what the schema allows, which
+            # keeps compiles fast: every undeclared key is a trie that excludes each
+            # declared name, character by character). Closed after the walk, so that
+            # merges during it see the schema as written.
+            self.closable.append(node)
+            extra = False
+        open_keys = extra is not False or bool(patterns)
         if open_keys and _is_number(minimum) and minimum > len(set(required)):
-            raise refuse("minProperties", where, "xgrammar may repeat an undeclared key, which counts once")
+            self.unenforced("minProperties", where, "xgrammar may repeat an undeclared key, which counts once")
         for name, sub in properties.items():
             self.visit(sub, f"{where}/properties/{name}")
         for pattern, sub in patterns.items():
@@ -806,6 +1059,21 @@ class _Walk:
         for keyword in ("additionalProperties", "unevaluatedProperties", "propertyNames"):
             if isinstance(node.get(keyword), dict):
                 self.visit(node[keyword], f"{where}/{keyword}")
+
+    def undeclared_schema(self, node: dict, name: str, patterns: dict, where: str) -> Any:
+        """The schema a required but undeclared property's value has: its
+        patternProperties', else additionalProperties'."""
+        for pattern, sub in patterns.items():
+            try:
+                if re.search(pattern, name):
+                    return sub
+            except re.error:
+                pass
+        extra = node.get("additionalProperties", True)
+        if extra is False:
+            raise ValueError(f"invalid json_schema: {name!r} is required at {where or '/'} but no property may have "
+                             "that name")
+        return {} if extra is True else extra
 
     # ------------------------------------------------------------------ oneOf exclusivity
 
@@ -876,3 +1144,130 @@ def _standard_format(name: str) -> bool:
 
 def _first(keywords: set[str]) -> str:
     return sorted(keywords)[0]
+
+
+_PLACEHOLDER_TEXT = re.compile(r"\^xgrpattern\d+\$")
+#: Keywords that a listed value can be checked against on its own (no subschemas).
+_VALUE_KEYWORDS = frozenset({
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties", "required",
+})
+#: The length of every value of a format, where it has one.
+_FORMAT_LENGTHS = {"uuid": 36, "date": 10}
+
+
+def _format_fits(fmt: str, node: dict) -> bool:
+    """Whether minLength/maxLength beside ``format`` hold for every value of it."""
+    length = _FORMAT_LENGTHS.get(fmt)
+    low, high = node.get("minLength", 0), node.get("maxLength", math.inf)
+    return length is not None and _is_number(low) and _is_number(high) and low <= length <= high
+
+
+def _satisfying(values: list, keywords: dict) -> list:
+    """The values that satisfy ``keywords`` (no subschemas among them)."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(keywords, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    return [v for v in values if validator.is_valid(v)]
+
+
+def _replace(node: dict, new: dict) -> None:
+    node.clear()
+    node.update(new)
+
+
+#: Keywords whose values two schemas can share only when equal.
+_SAME_ONLY = frozenset({"pattern", "format", "const", "$ref", "anyOf", "oneOf", "not", "if", "then", "else",
+                        "contains", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
+                        "prefixItems", "patternProperties", "unevaluatedProperties", "unevaluatedItems",
+                        "additionalItems", "$dynamicRef", "$recursiveRef"})
+_LOWER_BOUNDS = ("minLength", "minItems", "minProperties", "minContains", "minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maxLength", "maxItems", "maxProperties", "maxContains", "maximum", "exclusiveMaximum")
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """One schema that an instance satisfies exactly when it satisfies both ``a`` and
+    ``b`` (their allOf), or None when this cannot tell it simply. Subschemas are shared,
+    not copied."""
+    if a is True or a == {}:
+        return b if isinstance(b, dict) else None
+    if b is True or b == {}:
+        return a if isinstance(a, dict) else None
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    merged = dict(a)
+    for key, value in b.items():
+        if key not in merged:
+            merged[key] = value
+            continue
+        mine = merged[key]
+        if key not in CONSTRAINTS or mine == value:
+            continue
+        if key == "type":
+            types = _type_set(mine) & _type_set(value)
+            if ("integer" in _type_set(mine) and "number" in _type_set(value)) or (
+                    "number" in _type_set(mine) and "integer" in _type_set(value)):
+                types.add("integer")
+            if not types:
+                return None
+            merged[key] = sorted(types)[0] if len(types) == 1 else sorted(types)
+        elif key in _LOWER_BOUNDS:
+            if not (_is_number(mine) and _is_number(value)):
+                return None
+            merged[key] = max(mine, value)
+        elif key in _UPPER_BOUNDS:
+            if not (_is_number(mine) and _is_number(value)):
+                return None
+            merged[key] = min(mine, value)
+        elif key == "required":
+            if not isinstance(mine, list) or not isinstance(value, list):
+                return None
+            merged[key] = list(dict.fromkeys([*mine, *value]))
+        elif key == "enum":
+            if not isinstance(mine, list) or not isinstance(value, list):
+                return None
+            theirs = {_canonical(v) for v in value}
+            merged[key] = [v for v in mine if _canonical(v) in theirs]
+        elif key == "uniqueItems":
+            merged[key] = bool(mine) or bool(value)
+        elif key == "multipleOf":
+            if not (isinstance(mine, int) and isinstance(value, int)) or isinstance(mine, bool) or isinstance(value, bool):
+                return None
+            merged[key] = math.lcm(mine, value)
+        elif key in ("items", "additionalProperties"):
+            sub = _merge(mine, value)
+            if sub is None:
+                if mine is False or value is False:
+                    sub = False
+                else:
+                    return None
+            merged[key] = sub
+        elif key == "properties":
+            if not isinstance(mine, dict) or not isinstance(value, dict):
+                return None
+            props = dict(mine)
+            for name, sub in value.items():
+                if name in props:
+                    props[name] = _merge(props[name], sub)
+                    if props[name] is None:
+                        return None
+                else:
+                    props[name] = sub
+            merged[key] = props
+        else:  # _SAME_ONLY and anything else that differs
+            return None
+    # A side that closes its object forbids the other side's undeclared names.
+    for side, other in ((a, b), (b, a)):
+        if side.get("additionalProperties", True) is not True or "patternProperties" in side:
+            names = set((other.get("properties") or {})) - set((side.get("properties") or {}))
+            if names:
+                return None
+    return merged
+
+
+def _type_set(value: Any) -> set[str]:
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, str)}
+    return set()
