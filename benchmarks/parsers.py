@@ -39,11 +39,21 @@ REALISTIC = {
     "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n",
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
     '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>\n',
+    "gpt_oss": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|><|start|>assistant',
 }
 REASONING = {
     "deepseek_r1": "<think>Let me think about the weather in Paris.</think>It is sunny. ",
     "qwen3": "<think>Let me think about the weather in Paris.</think>It is sunny. ",
     "granite": "Here is my thought process:\nParis in June.\nHere is my response:\nSunny. ",
+    "gpt_oss": "<|channel|>analysis<|message|>Paris in June.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|end|>"
+    "<|start|>assistant",
+}
+
+THINK_MARKERS = ["<think>", "</think>", "Here is my thought process:", "Here is my response:"]
+REASONING_MARKERS = {
+    "gpt_oss": ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>",
+                "analysis", "final"],
 }
 
 
@@ -119,8 +129,7 @@ def main() -> None:
             parser.prepare([], None)
             return parser
 
-        markers = ["<think>", "</think>", "Here is my thought process:", "Here is my response:"]
-        report("reasoning", name, make, sample, markers, args.size, args.repeat, True)
+        report("reasoning", name, make, sample, REASONING_MARKERS.get(name, THINK_MARKERS), args.size, args.repeat, True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ NAMES = sorted(registries.tool_parsers.names())
 
 def test_the_first_party_parsers_are_all_registered():
     assert {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "deepseek_v3", "granite", "jamba", "internlm",
-            "phi4_mini_json", "kimi_k2", "glm45"} <= set(NAMES)
+            "phi4_mini_json", "kimi_k2", "glm45", "gpt_oss"} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

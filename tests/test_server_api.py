@@ -484,3 +484,23 @@ def test_serve_fails_at_start_on_unknown_names():
     assert result.returncode == 2 and "tool_call_parser" in result.stderr and "did you mean 'hermes'" in result.stderr
     result = run_cli("serve", "--eviction-policy", "lruu", "--port", "0")
     assert result.returncode == 2 and "did you mean 'lru'" in result.stderr
+
+
+class ShortReason(FirstCharsReason):
+    """Asks, through adjust_request, for fewer tokens than the request did."""
+
+    def adjust_request(self, request):
+        request["max_tokens"] = 3
+        return request
+
+
+def test_the_reasoning_parser_may_adjust_every_chat_request(engine):
+    """As a tool parser may for requests with tools (gpt-oss's reasoning parser keeps
+    its special tokens this way, tools or not)."""
+    registries.reasoning_parsers.register("short-test", ShortReason, override=True)
+    try:
+        app = build_app(engine, ServerConfig(reasoning_parser="short-test"), model_name="tiny")
+        with TestClient(app) as c:
+            assert chat(c, max_tokens=16).json()["usage"]["completion_tokens"] == 3
+    finally:
+        registries.reasoning_parsers.unregister("short-test")

@@ -27,6 +27,12 @@ class ReasoningParser(ABC):
         """Called once before any parsing with the prompt's token ids and the request
         (a mapping). Default: nothing to note."""
 
+    def adjust_request(self, request: Any) -> Any:
+        """Change the chat request (a mapping) before generation and return it: e.g.
+        ``skip_special_tokens=False`` when the reasoning markers are special tokens.
+        Default: unchanged."""
+        return request
+
     @abstractmethod
     def extract(self, text: str, request: Any = None) -> ReasoningSplit: ...
 

@@ -65,8 +65,10 @@ class ChatMixin:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         mode, schema = self._tool_mode(req)
+        if self.config.reasoning_parser:
+            req = self._adjusted(req, "reasoning_parser", self.config.reasoning_parser, self.reasoning_parser_cls)
         if mode == "auto":
-            req = self._adjusted(req)
+            req = self._adjusted(req, "tool_parser", self.config.tool_call_parser, self.tool_parser_cls)
         prompt_ids = await self.render(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -86,11 +88,11 @@ class ChatMixin:
         final = await collect(stream, tracker)
         return self._chat_response(req, request_id, final)
 
-    def _adjusted(self, req: api.ChatCompletionRequest) -> api.ChatCompletionRequest:
-        """The request as the tool parser wants it (e.g. special tokens kept)."""
+    def _adjusted(self, req: api.ChatCompletionRequest, kind: str, name: str, cls: type) -> api.ChatCompletionRequest:
+        """The request as a parser wants it (e.g. special tokens kept)."""
         before = req.model_dump()
-        parser = call_plugin("tool_parser", self.config.tool_call_parser, "__init__", self.tool_parser_cls, self.tokenizer)
-        after = call_plugin("tool_parser", self.config.tool_call_parser, "adjust_request", parser.adjust_request, dict(before))
+        parser = call_plugin(kind, name, "__init__", cls, self.tokenizer)
+        after = call_plugin(kind, name, "adjust_request", parser.adjust_request, dict(before))
         updates = {k: v for k, v in after.items() if k in type(req).model_fields and v != before.get(k)}
         return req.model_copy(update=updates) if updates else req
 

@@ -18,22 +18,28 @@ TOOL_PARSERS = {
     "phi4_mini_json": ("pyagent_parsers.tools.json_calls:Phi4MiniJsonToolParser", "Phi-4-mini: functools[{json}, ...]"),
     "glm45": ("pyagent_parsers.tools.glm45:Glm45ToolParser", "GLM-4.5/4.6: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"),
     "kimi_k2": ("pyagent_parsers.tools.kimi_k2:KimiK2ToolParser", "Kimi K2: <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0..."),
+    "gpt_oss": ("pyagent_parsers.tools.gpt_oss:GptOssToolParser", "gpt-oss (harmony): <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>"),
 }
 
 REASONING_PARSERS = {
     "deepseek_r1": ("pyagent_parsers.reasoning.deepseek_r1:DeepSeekR1ReasoningParser", "DeepSeek R1: reasoning up to </think>"),
     "qwen3": ("pyagent_parsers.reasoning.qwen3:Qwen3ReasoningParser", "Qwen3: <think>...</think>, opening tag in the output or the prompt"),
     "granite": ("pyagent_parsers.reasoning.granite:GraniteReasoningParser", "Granite 3.2: Here is my thought process: ... Here is my response:"),
+    "gpt_oss": ("pyagent_parsers.reasoning.gpt_oss:GptOssReasoningParser", "gpt-oss (harmony): the analysis channel is reasoning, final and preambles content"),
 }
+
+#: Other names of an entry: the names vLLM users type.
+TOOL_PARSER_ALIASES = {"gpt_oss": ("openai",)}
+REASONING_PARSER_ALIASES = {"gpt_oss": ("openai_gptoss",)}
 
 
 @hookimpl
 def pyagent_register_tool_parsers(register):
     for name, (target, description) in TOOL_PARSERS.items():
-        register(name, target, description=description)
+        register(name, target, aliases=TOOL_PARSER_ALIASES.get(name, ()), description=description)
 
 
 @hookimpl
 def pyagent_register_reasoning_parsers(register):
     for name, (target, description) in REASONING_PARSERS.items():
-        register(name, target, description=description)
+        register(name, target, aliases=REASONING_PARSER_ALIASES.get(name, ()), description=description)
