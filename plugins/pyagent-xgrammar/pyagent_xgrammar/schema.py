@@ -347,10 +347,11 @@ class RegexRefused(Exception):
 # agree on: '.' excludes line terminators (xgrammar's admits them), and the negated
 # shorthands keep to what no dialect calls a digit, word or space character.
 _DOT = r"[^\n\r\u2028\u2029]"
+_ALL_SPACES = r"\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
 _SHORTHANDS = {
     "D": r"[\x00-\x2f\x3a-\x7f]",
     "W": r"[\x00-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7f]",
-    "S": r"[^\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]",
+    "S": rf"[^{_ALL_SPACES}]",
 }
 _QUANTIFIER = re.compile(r"\{(\d*)(,\d*)?\}")
 
@@ -397,11 +398,13 @@ def normalise_regex(pattern: str) -> str:
             nul = [m for m in re.finditer(r"\\(0|x00|u0000|u\{0+\}|U00000000)(-?)", body) if not m.group(2)]
             if nul:
                 raise RegexRefused("xgrammar garbles a NUL character that does not start a range")
+            if body.startswith("^"):  # [^\s...]: every dialect's spaces left out, so none matches
+                body = re.sub(r"\\.", lambda m: _ALL_SPACES if m.group(0) == "\\s" else m.group(0), body)
             escapes = re.findall(r"\\(.)", body)
-            if any(e in "DWS" for e in escapes) or (body.startswith("^") and any(e in "dws" for e in escapes)):
+            if any(e in "DWS" for e in escapes) or (body.startswith("^") and any(e in "dw" for e in escapes)):
                 raise RegexRefused("\\d \\w \\s in a negated class, or \\D \\W \\S in a class, differ between "
                                    "regex dialects on non-ASCII characters")
-            atom(pattern[i:end], end - i)
+            atom(pattern[i:end] if body == pattern[i + 1 : end - 1] else f"[{body}]", end - i)
         elif c == "(":
             depth += 1
             after_quantifier = False

@@ -325,6 +325,9 @@ def accepts(backend, spec: GrammarSpec, text: str) -> bool:
     ({"type": "string", "pattern": "^(b|b{1,2})$"}, ["b", "bb"], ["bbb", ""]),
     ({"type": "string", "pattern": '^a"b$'}, ['a\\"b'], ['a"b']),
     ({"type": "string", "pattern": "^.$"}, ["a", "é"], ["\\n", "\\u000a", '"']),
+    ({"type": "string", "pattern": "^[^\\s,]+$"}, ["ab", "é-1"], ["a b", "a\\tb", "a,b", ""]),
+    ({"type": "string", "pattern": "^[a-zA-Z0-9-_.]{2}$"}, ["a-", "Z.", "__"], ["a", "a b", "a+"]),
+    ({"type": "string", "pattern": "^[\\w.-]+@[\\w-]+\\.[a-z]{2,3}$"}, ["a.b@c-d.io"], ["a@b.c", "a@b.abcd"]),
 ])
 def test_rewritten_formats_and_patterns_are_exact(backend, schema, valid, invalid):
     """Each value as the text between the JSON string's quotes."""
