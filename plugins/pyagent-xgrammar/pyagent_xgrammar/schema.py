@@ -679,6 +679,14 @@ class _Walk:
         self.patterns: list[str] = []
         self.has_refs = "$ref" in json.dumps(root)
 
+    def define(self, schema: dict) -> dict:
+        """A reference to ``schema``, kept under the root: a merge shares the subschemas
+        of what it merged, and one of them may hold the node the merge replaces (a
+        recursive schema), so the merge is reached by reference, never nested in it."""
+        merged = self.root.setdefault(MERGED, {})
+        merged[str(len(merged))] = {k: v for k, v in schema.items() if k != MERGED}  # a merge with the root
+        return {"$ref": f"#/{MERGED}/{len(merged) - 1}"}
+
     def unenforced(self, keyword: str, where: str, why: str) -> None:
         """xgrammar cannot enforce ``keyword`` here: refused, or with ``checked_after``
         recorded and left to the check (the caller drops it from the copy)."""
@@ -758,8 +766,9 @@ class _Walk:
                     del node[keyword]
                 self.visit(self.target(node, where), node["$ref"])
                 return
-            _replace(node, merged)
-            constraints = _constraints(node)
+            _point(node, self.define(merged))
+            self.visit(self.target(node, where), node["$ref"])
+            return
         combinators = [k for k in _COMBINATORS if k in node]
         if combinators:
             self.combinator(node, combinators, constraints, where)
@@ -816,9 +825,8 @@ class _Walk:
                         del node[keyword]
                 self.visit(node["allOf"][0], f"{where}/allOf/0")
                 return
-            _replace(node, merged)
-            self.seen.discard(id(node))
-            self.visit(node, where)
+            _point(node, self.define(merged))
+            self.visit(self.target(node, where), node["$ref"])
             return
         keyword = combinators[0]
         siblings = constraints - {keyword}
@@ -832,7 +840,7 @@ class _Walk:
             else:
                 for key in siblings:
                     del node[key]
-                node[keyword] = branches
+                node[keyword] = [self.define(b) for b in branches]
         branches = node[keyword]
         if keyword == "oneOf":
             overlap = next(((a, b) for a in range(len(branches)) for b in range(a + 1, len(branches))
@@ -1021,13 +1029,14 @@ class _Walk:
             properties = node["properties"] = dict(properties)
             for name in undeclared:
                 properties[name] = self.undeclared_schema(node, name, patterns, where)
-        for name in [n for n, sub in properties.items() if sub is False]:
+        # A property no value can have (false, or values none of its type) must not occur.
+        absent = [n for n, sub in properties.items() if sub is False or self.never(sub, where)]
+        for name in absent:
             if name in required:
-                raise ValueError(f"invalid json_schema: the required property {name!r} at {where or '/'} is false")
-            properties = node["properties"] = {k: v for k, v in properties.items() if k != name}
-            if node.get("additionalProperties", True) is not False or patterns:
-                self.unenforced("properties", where, f"{name!r} must not occur, and xgrammar may generate it as an "
-                                "undeclared property")
+                raise ValueError(f"invalid json_schema: the required property {name!r} at {where or '/'} has no "
+                                 "possible value")
+        if absent:
+            properties = node["properties"] = {k: v for k, v in properties.items() if k not in absent}
         for pattern in patterns:
             try:
                 matching = [name for name in properties if re.search(pattern, name)]
@@ -1051,6 +1060,9 @@ class _Walk:
             self.closable.append(node)
             extra = False
         open_keys = extra is not False or bool(patterns)
+        if absent and open_keys:
+            self.unenforced("properties", where, f"{absent[0]!r} must not occur, and xgrammar may generate it as an "
+                            "undeclared property")
         if open_keys and _is_number(minimum) and minimum > len(set(required)):
             self.unenforced("minProperties", where, "xgrammar may repeat an undeclared key, which counts once")
         for name, sub in properties.items():
@@ -1062,6 +1074,15 @@ class _Walk:
         for keyword in ("additionalProperties", "unevaluatedProperties", "propertyNames"):
             if isinstance(node.get(keyword), dict):
                 self.visit(node[keyword], f"{where}/{keyword}")
+
+    def never(self, node: Any, where: str) -> bool:
+        """Whether a schema lists values and none of them is of its type."""
+        node = self.target(node, where)
+        if not isinstance(node, dict):
+            return False
+        values = [node["const"]] if "const" in node else node.get("enum")
+        types = _types(node)
+        return isinstance(values, list) and types is not None and not any(_is_kind(v, types) for v in values)
 
     def undeclared_schema(self, node: dict, name: str, patterns: dict, where: str) -> Any:
         """The schema a required but undeclared property's value has: its
@@ -1174,9 +1195,16 @@ def _satisfying(values: list, keywords: dict) -> list:
     return [v for v in values if validator.is_valid(v)]
 
 
-def _replace(node: dict, new: dict) -> None:
-    node.clear()
-    node.update(new)
+#: Where :meth:`_Walk.define` keeps merged schemas, under the root.
+MERGED = "xgrammar_merged"
+
+
+def _point(node: dict, ref: dict) -> None:
+    """Make ``node`` a bare reference, keeping what does not constrain (the root's
+    definitions among it)."""
+    for keyword in [k for k in node if k in CONSTRAINTS]:
+        del node[keyword]
+    node.update(ref)
 
 
 #: Keywords whose values two schemas can share only when equal.
