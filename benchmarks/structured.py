@@ -46,6 +46,24 @@ backend, and decode throughput constrained against unconstrained, in one run.
     with the engine's ``apply_token_bitmask`` swapped, in this process only, for
     xgrammar's own CPU kernel, which runs no OpenMP region (see docs/benchmarks.md).
 
+(3) Coverage (``--coverage``), on the stored sample of 256 real-world schemas
+    (``tests/data/jsonschemabench``, JSONSchemaBench, MIT). Each schema is compiled
+    through the engine's ``StructuredOutputManager`` (worker processes, the default
+    10 s compile timeout, the SmolLM2 vocabulary) by each backend and by ``auto``:
+    once as the engine asks (``checked_after``: keywords a grammar cannot express
+    are left to the check after generation) and once exactly (``checked_after``
+    off: such keywords refused). Counted: compiled / refused / invalid (the backend
+    called the schema wrong) / timed out, and the compile time of what compiled
+    (p50 / p99). Then (``--coverage-generate``) every schema ``auto`` compiled is
+    generated with ``LLM()`` (the embedded SmolLM2, sampled at temperature 0.7 with
+    frequency penalty 1.0, which keeps the small model from repeating itself inside
+    a string until the limit, seed 0, ``max_tokens`` ``--coverage-max-tokens``), asked in a chat message for a JSON
+    value of the schema (its text cut to 1,500 characters). Each output is
+    validated here with ``jsonschema`` (the format checker on): valid / failed by the
+    engine's check after generation (the grammar admitted it; the request ended in an
+    error naming the keyword) / delivered invalid (must be 0) / cut by
+    ``max_tokens`` (finish reason ``length``; not JSON yet).
+
 The machine's load average (``os.getloadavg``) and the share of the CPU that other
 processes used during each phase are printed: on a small machine figures taken while
 other work runs are skewed.
@@ -538,6 +556,118 @@ def print_batch(entry: dict, max_tokens: int, repeats: int) -> None:
 # ---------------------------------------------------------------------- main
 
 
+COLLECTION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "jsonschemabench",
+                          "schemas.jsonl.gz")
+
+
+def load_collection() -> list[dict]:
+    import gzip
+
+    with gzip.open(COLLECTION) as f:
+        return [json.loads(line) for line in f]
+
+
+def bench_coverage(backend_names: list[str], timeout: float) -> dict:
+    """(3): every stored schema compiled by each backend and by auto, as the engine
+    asks (checked after) and exactly."""
+    from pyagent_framework import registries
+    from pyagent_framework.engine import loader
+    from pyagent_framework.engine.errors import InvalidRequestError
+    from pyagent_framework.engine.structured import StructuredOutputManager
+    from pyagent_framework.types import GrammarSpec
+
+    rows = load_collection()
+    tok = registries.tokenizers.load("hf").from_pretrained(loader.resolve_model("smollm2"))
+    result = {"schemas": len(rows), "arms": {}}
+    for name in [*backend_names, "auto"]:
+        for checked in (True, False):
+            manager = StructuredOutputManager(tok, VOCAB_SIZE, default_backend=name, compile_timeout=timeout)
+            warm = manager.submit(GrammarSpec("choice", ("yes", "no")))  # worker and vocabulary set-up, not timed
+            try:
+                warm.result(600)
+            except InvalidRequestError:
+                pass
+            counts = {"compiled": 0, "refused": 0, "invalid": 0, "timeout": 0}
+            times, reasons, compiled_ids = [], {}, []
+            for row in rows:
+                start = time.perf_counter()
+                try:
+                    manager.submit(GrammarSpec("json_schema", row["schema"], checked_after=checked)).result(timeout + 600)
+                except InvalidRequestError as exc:
+                    message = str(exc)
+                    verdict = ("timeout" if "took longer than" in message else
+                               "refused" if "no grammar backend supports" in message else "invalid")
+                    counts[verdict] += 1
+                    reasons[row["id"]] = message[:300]
+                    continue
+                times.append(time.perf_counter() - start)
+                counts["compiled"] += 1
+                compiled_ids.append(row["id"])
+            manager.close()
+            arm = f"{name}{'' if checked else ' (exact)'}"
+            result["arms"][arm] = {
+                **counts, "compile_p50_ms": percentile(times, 50) * 1e3 if times else None,
+                "compile_p99_ms": percentile(times, 99) * 1e3 if times else None,
+                "compile_max_ms": max(times) * 1e3 if times else None, "reasons": reasons, "compiled_ids": compiled_ids,
+            }
+            entry = result["arms"][arm]
+            print(f"  {arm:<20} compiled {counts['compiled']:>3} ({counts['compiled'] / len(rows):.1%})  refused "
+                  f"{counts['refused']:>3}  invalid {counts['invalid']:>2}  timeout {counts['timeout']:>2}  compile p50 "
+                  f"{entry['compile_p50_ms'] or 0:.1f} ms  p99 {entry['compile_p99_ms'] or 0:.0f} ms  max "
+                  f"{entry['compile_max_ms'] or 0:.0f} ms", flush=True)
+    return result
+
+
+def bench_generate(compiled_ids: list[str], max_tokens: int, model: str | None) -> dict:
+    """(3), generation: each compiled schema's output from SmolLM2, validated here."""
+    import jsonschema
+
+    from pyagent_framework import LLM, SamplingParams
+
+    rows = {row["id"]: row for row in load_collection()}
+    llm = LLM(model, max_num_seqs=32, max_model_len=max_tokens + 1024, grammar_compile_timeout=600.0)
+    prompts, params = [], []
+    for rid in compiled_ids:
+        schema = rows[rid]["schema"]
+        text = json.dumps(schema, separators=(",", ":"))[:1500]
+        prompts.append(llm.encode_chat([{"role": "user", "content": f"Reply with a JSON value that follows this JSON schema: {text}"}]))
+        params.append(SamplingParams(temperature=0.7, frequency_penalty=1.0, seed=0, max_tokens=max_tokens,
+                                     structured_outputs={"json": schema}))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    counts = {"valid": 0, "caught by the check": 0, "delivered invalid": 0, "cut by max_tokens": 0}
+    caught, wrong, tokens = {}, {}, 0
+    for rid, out in zip(compiled_ids, outs):
+        [sample] = out.outputs
+        tokens += len(sample.token_ids)
+        if out.error_kind == "invalid_output":
+            counts["caught by the check"] += 1
+            caught[rid] = out.error[:300]
+            continue
+        if sample.finish_reason == "length":
+            counts["cut by max_tokens"] += 1
+            continue
+        schema = rows[rid]["schema"]
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            errors = [e.message for e in cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(json.loads(sample.text))]
+        except ValueError as exc:
+            errors = [f"not JSON: {exc}"]
+        if errors or out.error is not None:
+            counts["delivered invalid"] += 1
+            wrong[rid] = (errors or [out.error])[:3]
+        else:
+            counts["valid"] += 1
+    print(f"  generated {len(compiled_ids)} requests, {tokens} tokens in {elapsed:.0f} s: "
+          + "  ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+    for rid, why in list(caught.items())[:10]:
+        print(f"    caught {rid}: {why}", flush=True)
+    for rid, why in wrong.items():
+        print(f"    DELIVERED INVALID {rid}: {why}", flush=True)
+    return {**counts, "caught": caught, "wrong": wrong, "tokens": tokens, "seconds": elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 (masks always use its tokenizer)")
@@ -552,6 +682,10 @@ def main() -> None:
                         "apply_token_bitmask swapped for xgrammar's CPU kernel in this process")
     parser.add_argument("--skip-masks", action="store_true", help="skip (1)")
     parser.add_argument("--skip-decode", action="store_true", help="skip (2)")
+    parser.add_argument("--coverage", action="store_true", help="run (3), the coverage on the stored schemas, only")
+    parser.add_argument("--coverage-generate", action="store_true", help="with --coverage: also generate with SmolLM2")
+    parser.add_argument("--coverage-max-tokens", type=int, default=768, help="max_tokens per generated schema (default 768)")
+    parser.add_argument("--compile-timeout", type=float, default=10.0, help="compile timeout in (3) (default 10 s, the engine's)")
     parser.add_argument("--json", action="store_true", help="also print a machine-readable summary")
     args = parser.parse_args()
     if args.max_tokens < 2:
@@ -590,6 +724,16 @@ def main() -> None:
           f"torch {torch.__version__}  threads={summary['threads']}  cpus={summary['cpus']}  "
           f"loadavg {' '.join(f'{x:.2f}' for x in summary['loadavg_start'])}", flush=True)
 
+    if args.coverage:
+        print(f"(3) coverage on {COLLECTION} ...", flush=True)
+        load = OtherLoad().start()
+        summary["coverage"] = bench_coverage(backends, args.compile_timeout)
+        if args.coverage_generate:
+            summary["coverage"]["generate"] = bench_generate(summary["coverage"]["arms"]["auto"]["compiled_ids"],
+                                                             args.coverage_max_tokens, args.model)
+        summary["coverage"]["load"] = load.report()
+        print(describe_load("(3)", summary["coverage"]["load"]), flush=True)
+        args.skip_masks = args.skip_decode = True
     if not args.skip_masks:
         print("(1) grammar masks on the SmolLM2 tokenizer ...", flush=True)
         load = OtherLoad().start()

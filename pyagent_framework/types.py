@@ -68,7 +68,9 @@ class GrammarSpec:
 
     ``value`` is a JSON schema (dict or JSON text) for ``json_schema``, ``None`` for
     ``json_object``, a pattern for ``regex``, a list of strings for ``choice``, grammar
-    text for ``grammar`` and a backend-defined mapping for ``structural_tag``.
+    text for ``grammar`` and, for ``structural_tag``, the JSON text of a structural tag
+    (vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers"}`` or xgrammar's
+    ``{"format": {...}}``, checked for shape by the engine).
 
     ``checked_after``: whoever asked validates each finished output against the JSON
     schema (the engine does, for every ``json_schema`` spec). A backend may then leave

@@ -101,7 +101,7 @@ BAD_INPUT = [
     ("unknown grammar backend", "chat", {"structured_outputs": {"regex": "a", "backend": "nope"}}, 400, "structured_outputs.backend"),
     ("empty choice list", "completions", {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
     ("a kind the chosen backend lacks", "chat", {"structured_outputs": {"grammar": 'root ::= "a"', "backend": "outlines"}}, 400, "structured_outputs"),
-    ("a keyword the chosen backend does not enforce", "chat", {"structured_outputs": {"json": {"type": "integer", "minimum": 3}, "backend": "outlines"}}, 400, "structured_outputs"),
+    ("a keyword the chosen backend does not enforce", "chat", {"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}, "backend": "xgrammar"}}, 400, "structured_outputs"),
     ("auto tool choice without a parser", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("suffix", "completions", {"suffix": "end"}, 400, "suffix"),
     ("cache_salt too long", "chat", {"cache_salt": "s" * 300}, 400, "cache_salt"),
@@ -142,6 +142,24 @@ def test_response_format_json_schema_and_json_object(client):
     response = chat(client, response_format={"type": "json_object"}, max_tokens=30, ignore_eos=False)
     body = response.json()["choices"][0]
     assert response.status_code == 200 and body["message"]["content"].startswith("{")
+
+
+def test_response_format_structural_tag(client):
+    """Both forms: xgrammar's (here one tag, at once) and vLLM's (structures, triggers)."""
+    tag = {"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": STRUCTURED_SCHEMA}, "end": "</f>"}
+    fmt = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [tag],
+                                                "at_least_one": True, "stop_after_first": True}}
+    response = chat(client, response_format=fmt, max_tokens=60, ignore_eos=False)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["message"]["content"]
+    assert content.startswith("<f=a>") and content.endswith("</f>"), content
+    jsonschema.validate(json.loads(content[len("<f=a>") : -len("</f>")]), STRUCTURED_SCHEMA)
+    fmt = {"type": "structural_tag", "structures": [{"begin": "<f=a>", "schema": STRUCTURED_SCHEMA, "end": "</f>"}],
+           "triggers": ["<f="]}
+    assert chat(client, response_format=fmt, max_tokens=20).status_code == 200
+    fmt["triggers"] = ["<g="]
+    response = chat(client, response_format=fmt, max_tokens=20)
+    assert response.status_code == 400 and "starts with none of the triggers" in response.text
 
 
 def test_structured_outputs_choice_streams_and_regex_completes(client):

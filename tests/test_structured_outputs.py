@@ -110,6 +110,13 @@ BAD_SPECS = [
     ({"json_object": "yes"}, "structured_outputs", "true or false"),
     ({"regex": "a+", "backend": ""}, "structured_outputs.backend", "backend"),
     ("a+", "structured_outputs", "object"),
+    ({"structural_tag": "{oops"}, "structured_outputs.structural_tag", "not valid JSON"),
+    ({"structural_tag": {"structures": [], "triggers": ["<f="]}}, "structured_outputs.structural_tag", "non-empty list"),
+    ({"structural_tag": {"structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}], "triggers": ["<f="]}},
+     "structured_outputs.structural_tag", "starts with none of the triggers"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "schema": {"type": 5}, "end": "</f>"}], "triggers": ["<f"]}},
+     "structured_outputs.structural_tag", "invalid JSON schema at type"),
+    ({"structural_tag": {"type": "structural_tag"}}, "structured_outputs.structural_tag", "'format' object"),
 ]
 
 
@@ -446,3 +453,23 @@ def test_xgrammar_leaves_what_it_cannot_enforce_to_the_check(llm):
     schema = {"type": "integer", "minimum": 0, "maximum": 3, "not": {"const": 7}}
     for out in run(llm, {"json": schema}, n=3, temperature=1.0, seed=1, max_tokens=8):
         assert out.finish_reason == "stop" and 0 <= json.loads(out.text) <= 3
+
+
+def test_structural_tags_keep_each_tag_to_its_schema(llm):
+    """Free text with tagged JSON inside: the tiny model's noise is free to say
+    anything but a tag, and a tag's body is JSON of its schema. ``at_least_one`` and
+    ``stop_after_first`` (xgrammar's form) make the output one tag."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f="], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</f>"},
+                 {"type": "tag", "begin": "<f=b>", "content": {"type": "json_schema", "json_schema": digit}, "end": "</f>"}]}}
+    for out in run(llm, {"structural_tag": tag}, n=3, temperature=1.0, seed=3, max_tokens=120):
+        assert out.finish_reason == "stop", out
+        found = re.fullmatch(r"(?s)<f=(a|b)>(.*)</f>", out.text)
+        assert found, out.text
+        jsonschema.validate(json.loads(found.group(2)), SCHEMA if found.group(1) == "a" else digit)
+    vllm_form = {"structures": [{"begin": "<f=b>", "schema": digit, "end": "</f>"}], "triggers": ["<f="]}
+    for out in run(llm, {"structural_tag": json.dumps(vllm_form)}, n=2, temperature=1.0, seed=4, max_tokens=40):
+        for body in re.findall(r"<f=b>(.*?)</f>", out.text):
+            assert 0 <= json.loads(body) <= 9

@@ -32,8 +32,11 @@ class StructuredOutputsParams:
     ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON
     object; ``regex``: a pattern the whole output matches; ``choice``: the output is
     one of these strings; ``grammar``: an EBNF grammar in the GBNF dialect
-    (``root ::= ...``). ``backend`` picks a grammar backend by registry name for this
-    request (default: the engine's ``grammar_backend``).
+    (``root ::= ...``); ``structural_tag``: free text with tagged JSON inside (a dict
+    or its JSON text), as vLLM takes it, ``{"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}``, or xgrammar's ``{"format": {...}}``. ``backend``
+    picks a grammar backend by registry name for this request (default: the engine's
+    ``grammar_backend``).
     """
 
     json: Any = None
@@ -41,6 +44,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: Any = None
     backend: str | None = None
     _spec: GrammarSpec | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -73,14 +77,14 @@ class StructuredOutputsParams:
         return self._spec
 
     def _build_spec(self) -> GrammarSpec:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, name) is not None]
         if self.json_object not in (True, False):
             _fail("json_object must be true or false")
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
             _fail(
-                "give exactly one of json, json_object, regex, choice, grammar"
+                "give exactly one of json, json_object, regex, choice, grammar, structural_tag"
                 + (f" (got {', '.join(given)})" if given else "")
             )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
@@ -108,6 +112,8 @@ class StructuredOutputsParams:
             for where, pattern in schema_patterns(schema):
                 _check_regex_cost("json", pattern, f"the JSON schema's pattern at {where}: ")
             return GrammarSpec("json_schema", schema)
+        if kind == "structural_tag":
+            return GrammarSpec("structural_tag", _structural_tag(self.structural_tag))
         if kind == "choice":
             choices = self.choice
             if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
@@ -131,7 +137,45 @@ def _fail(message: str, key: str | None = None) -> None:
     raise InvalidRequestError(f"structured_outputs: {message}", param="structured_outputs" + (f".{key}" if key else ""))
 
 
-def _check_schema(schema: Any) -> None:
+def _structural_tag(value: Any) -> str:
+    """A structural tag checked for shape (its schemas against their metaschema) and
+    size, as canonical JSON text."""
+    if isinstance(value, str):
+        _check_size("structural_tag", value)
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            _fail(f"the structural tag is not valid JSON: {exc}", "structural_tag")
+    if not isinstance(value, dict):
+        _fail(f"a structural tag is an object, got {type(value).__name__}", "structural_tag")
+    if value.get("type", "structural_tag") != "structural_tag":
+        _fail(f"a structural tag's type is 'structural_tag', got {value.get('type')!r}", "structural_tag")
+    if "structures" in value:  # vLLM's form
+        structures, triggers = value.get("structures"), value.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            _fail("structural_tag.structures must be a non-empty list", "structural_tag")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            _fail("structural_tag.triggers must be a non-empty list of non-empty strings", "structural_tag")
+        for index, item in enumerate(structures):
+            if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("begin", "end")):
+                _fail(f"structural_tag.structures[{index}] needs 'begin' and 'end' strings and a 'schema'", "structural_tag")
+            if not any(item["begin"].startswith(t) for t in triggers):
+                _fail(f"structural_tag.structures[{index}]: begin {item['begin']!r} starts with none of the triggers",
+                      "structural_tag")
+            if not isinstance(item.get("schema"), (dict, bool)):
+                _fail(f"structural_tag.structures[{index}].schema must be a JSON schema", "structural_tag")
+            _check_schema(item["schema"], "structural_tag")
+    elif not isinstance(value.get("format"), dict):
+        _fail("a structural tag has 'structures' and 'triggers' (vLLM's form) or a 'format' object", "structural_tag")
+    try:
+        text = json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        _fail(f"the structural tag cannot be written as JSON: {exc}", "structural_tag")
+    _check_size("structural_tag", text)
+    return text
+
+
+def _check_schema(schema: Any, key: str = "json") -> None:
     """Against its draft's metaschema (``$schema``, else 2020-12), so a wrong schema is
     named as such whichever backend would have compiled it."""
     import jsonschema
@@ -140,9 +184,9 @@ def _check_schema(schema: Any) -> None:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        _fail(f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", "json")
+        _fail(f"invalid JSON schema{f' at {where}' if where else ''}: {exc.message}", key)
     except RecursionError:
-        _fail("the JSON schema is nested too deeply", "json")
+        _fail("the JSON schema is nested too deeply", key)
 
 
 def _check_regex_cost(key: str, pattern: str, where: str = "") -> None:

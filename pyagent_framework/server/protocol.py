@@ -122,8 +122,12 @@ class JsonSchemaFormat(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag, in vLLM's form (structures, triggers) or xgrammar's (format)
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+    format: dict[str, Any] | None = None
 
 
 class UsageInfo(BaseModel):

@@ -116,6 +116,8 @@ class SamplingMixin:
             raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
         if fmt.type == "json_object":
             return {"json_object": True}
+        if fmt.type == "structural_tag":
+            return {"structural_tag": fmt.model_dump(exclude_none=True, include={"type", "structures", "triggers", "format"})}
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise APIError(
                 400, 'response_format type "json_schema" needs json_schema.schema', param="response_format.json_schema"

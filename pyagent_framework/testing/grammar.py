@@ -151,6 +151,33 @@ class GrammarBackendContract:
             value = json.loads(walk(backend, GrammarSpec("json_object"), seed, stop_bias=0.6))
             assert isinstance(value, dict)
 
+    def test_structural_tag_walks_keep_each_tag_to_its_schema(self, backend):
+        """Free text, and after a trigger a whole tag whose body is JSON of its schema
+        (vLLM's form of a structural tag). Each walk writes some text and the trigger,
+        then samples among the allowed tokens until the tag ends."""
+        self.needs(backend, "structural_tag")
+        digit = {"type": "integer", "minimum": 0, "maximum": 9}
+        tag = {"type": "structural_tag", "triggers": ["<f="],
+               "structures": [{"begin": "<f=a>", "schema": SCHEMAS[0], "end": "</f>"},
+                              {"begin": "<f=b>", "schema": digit, "end": "</f>"}]}
+        compiled = backend.compile(GrammarSpec("structural_tag", json.dumps(tag)), INFO)
+        for seed in range(12):
+            rng = random.Random(seed)
+            matcher = backend.matcher(compiled)
+            assert matcher.accept_tokens([token(c.encode()) for c in "hi <f="])
+            out = b""
+            while not out.endswith(b"</f>"):
+                assert len(out) < 2000, out
+                choices = [t for t in allowed(matcher) if t != EOS]
+                pick = rng.choice([t for t in choices if t in CLOSERS] or choices) if len(out) > 300 else rng.choice(choices)
+                assert matcher.accept_tokens([pick])
+                out += PIECES[pick]
+            name, _, rest = out.decode().partition(">")
+            body = rest[: -len("</f>")]
+            assert name in ("a", "b"), out
+            jsonschema.validate(json.loads(body), SCHEMAS[0] if name == "a" else digit)
+            assert EOS in allowed(matcher)  # free text again: the output may end
+
     def test_regex_walks_match(self, backend):
         self.needs(backend, "regex")
         for pattern in (r"[0-9]{2,4}-(ab|é)", r"(yes|no)( maybe)?", r"[a-c]+x"):

@@ -26,7 +26,7 @@ import xgrammar as xgr
 
 from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
-from pyagent_xgrammar.schema import RegexRefused, normalise_regex, xgrammar_grammar
+from pyagent_xgrammar.schema import RegexRefused, normalise_regex, structural_tag, xgrammar_grammar
 
 # Several tokenizers may be in use (a draft model's, tests'); each needs its own compiler.
 MAX_COMPILERS = 4
@@ -34,7 +34,7 @@ _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
 class XGrammarBackend(GrammarBackend):
-    supported_kinds = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
+    supported_kinds = frozenset({"json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"})
 
     def __init__(self) -> None:
         self._compilers: dict[int, tuple[TokenizerInfo, xgr.GrammarCompiler, xgr.TokenizerInfo]] = {}
@@ -67,6 +67,8 @@ class XGrammarBackend(GrammarBackend):
         try:
             if spec.kind == "json_schema":
                 return compiler.compile_grammar(xgrammar_grammar(json.loads(source), spec.checked_after))
+            if spec.kind == "structural_tag":
+                return compiler.compile_grammar(xgr.Grammar.from_structural_tag(structural_tag(json.loads(source))))
             if spec.kind == "json_object":  # an object, as OpenAI's json_object mode promises
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
@@ -143,6 +145,15 @@ def _source(spec: GrammarSpec) -> str | None:
                 raise ValueError(f"invalid json_schema: not JSON ({exc})") from None
         if not isinstance(value, (dict, bool)):
             raise ValueError(f"invalid json_schema: a schema is an object, got {type(value).__name__}")
+        return json.dumps(value)
+    if spec.kind == "structural_tag":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"invalid structural_tag: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"invalid structural_tag: a structural tag is an object, got {type(value).__name__}")
         return json.dumps(value)
     if spec.kind == "choice":
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):

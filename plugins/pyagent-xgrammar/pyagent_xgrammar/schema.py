@@ -1302,3 +1302,44 @@ def _type_set(value: Any) -> set[str]:
     if isinstance(value, list):
         return {v for v in value if isinstance(v, str)}
     return set()
+
+
+# ---------------------------------------------------------------------- structural tags
+
+
+def structural_tag(value: dict) -> str:
+    """A structural tag (vLLM's ``{"structures", "triggers"}`` or xgrammar's
+    ``{"format"}``) as xgrammar's JSON, its JSON schemas compiled by this module
+    (exact: nothing checks a structural tag's output after generation, so what
+    xgrammar would not enforce is refused) and its regexes normalised."""
+    if "structures" in value:
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": value.get("triggers"),
+            "tags": [{"type": "tag", "begin": item.get("begin"), "content": {"type": "json_schema", "json_schema": item.get("schema")},
+                      "end": item.get("end")} for item in value["structures"] if isinstance(item, dict)],
+        }}
+    else:
+        tag = {"type": "structural_tag", "format": value.get("format")}
+    return json.dumps({**tag, "format": _format(tag["format"], "format")})
+
+
+def _format(node: Any, where: str) -> Any:
+    if isinstance(node, list):
+        return [_format(item, f"{where}/{i}") for i, item in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind == "json_schema" and node.get("style", "json") == "json":
+        try:
+            return {"type": "grammar", "grammar": str(xgrammar_grammar(node.get("json_schema", True)))}
+        except NotImplementedError as exc:
+            raise NotImplementedError(f"{exc} (in the structural tag's {where})") from None
+    if kind == "json_schema":
+        raise NotImplementedError(f"xgrammar: a structural tag's json_schema style {node.get('style')!r} at {where} "
+                                  "is not checked for the keywords xgrammar would drop")
+    if kind == "regex" and isinstance(node.get("pattern"), str):
+        try:
+            return {**node, "pattern": normalise_regex(node["pattern"])}
+        except RegexRefused as exc:
+            raise NotImplementedError(f"xgrammar: the structural tag's regex at {where}: {exc}") from None
+    return {key: _format(value, f"{where}/{key}") for key, value in node.items()}

@@ -26,8 +26,28 @@ def backend() -> GrammarBackend:
     return registries.grammar_backends.load("xgrammar")()
 
 
-def test_handles_every_kind_but_structural_tags(backend):
-    assert backend.supported_kinds == {"json_schema", "json_object", "regex", "choice", "grammar"}
+def test_handles_every_kind(backend):
+    assert backend.supported_kinds == {"json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"}
+
+
+def test_structural_tags_in_both_forms_are_exact(backend):
+    """vLLM's form and xgrammar's: the tag's schema is checked by this plugin (an
+    unenforceable keyword is refused: nothing checks a tag's body afterwards)."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    vllm = {"structures": [{"begin": "<f=a>", "schema": digit, "end": "</f>"}], "triggers": ["<f="]}
+    xgr_form = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+        {"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": digit}, "end": "</f>"}]}}
+    for tag in (vllm, xgr_form):
+        spec = GrammarSpec("structural_tag", json.dumps(tag))
+        assert accepts(backend, spec, "hi <f=a>7</f> bye")
+        assert not accepts(backend, spec, "hi <f=a>17</f>")
+        assert not accepts(backend, spec, "<f=c>")
+    unenforced = {"structures": [{"begin": "<f=a>", "schema": {"type": "array", "uniqueItems": True}, "end": "</f>"}],
+                  "triggers": ["<f="]}
+    with pytest.raises(NotImplementedError, match="uniqueItems.*structural tag"):
+        backend.compile(GrammarSpec("structural_tag", json.dumps(unenforced)), INFO)
+    with pytest.raises(ValueError, match="structural"):
+        backend.compile(GrammarSpec("structural_tag", json.dumps({"format": {"type": "nope"}})), INFO)
 
 
 @pytest.mark.parametrize(
