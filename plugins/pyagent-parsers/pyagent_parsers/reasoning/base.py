@@ -79,7 +79,29 @@ class _Scan:
         self.search_from = 0  # _UNDECIDED: no end marker begins before it
 
 
-class MarkerReasoningParser(ReasoningParser):
+class ScanningReasoningParser(ReasoningParser):
+    """A reasoning parser whose streaming resumes one scan of the text: subclasses
+    give :meth:`_delta` (what the text so far adds, ``final`` once it has ended)."""
+
+    def _delta(self, text: str, final: bool) -> DeltaMessage | None:
+        raise NotImplementedError
+
+    def extract_streaming(
+        self,
+        previous_text: str,
+        current_text: str,
+        delta_text: str,
+        previous_ids: Sequence[int],
+        current_ids: Sequence[int],
+        delta_ids: Sequence[int],
+    ) -> DeltaMessage | None:
+        return self._delta(current_text, False)
+
+    def finish_streaming(self, current_text: str) -> DeltaMessage | None:
+        return self._delta(current_text, True)
+
+
+class MarkerReasoningParser(ScanningReasoningParser):
     """Base of the marker-delimited reasoning parsers here."""
 
     #: Markers that open the reasoning section at the start of the output.
@@ -232,20 +254,6 @@ class MarkerReasoningParser(ReasoningParser):
         if not reasoning and not content:
             return None
         return DeltaMessage(reasoning_content=reasoning or None, content=content or None)
-
-    def extract_streaming(
-        self,
-        previous_text: str,
-        current_text: str,
-        delta_text: str,
-        previous_ids: Sequence[int],
-        current_ids: Sequence[int],
-        delta_ids: Sequence[int],
-    ) -> DeltaMessage | None:
-        return self._delta(current_text, False)
-
-    def finish_streaming(self, current_text: str) -> DeltaMessage | None:
-        return self._delta(current_text, True)
 
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
         """Whether no more reasoning can come after ``token_ids`` (the output so

@@ -38,10 +38,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pyagent_framework.interfaces import ReasoningParser
 from pyagent_framework.types import DeltaMessage, ReasoningSplit
 
-from pyagent_parsers.reasoning.base import _decode
+from pyagent_parsers.reasoning.base import ScanningReasoningParser, _decode
 from pyagent_parsers.tools.gpt_oss import (
     CALL_BODY,
     CONTENT,
@@ -128,7 +127,7 @@ class _Split:
         return "".join(reasoning), forwarded
 
 
-class GptOssReasoningParser(ReasoningParser):
+class GptOssReasoningParser(ScanningReasoningParser):
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
         self._request: Any = None
@@ -166,20 +165,6 @@ class GptOssReasoningParser(ReasoningParser):
         if not reasoning and not content:
             return None
         return DeltaMessage(reasoning_content=reasoning or None, content=content or None)
-
-    def extract_streaming(
-        self,
-        previous_text: str,
-        current_text: str,
-        delta_text: str,
-        previous_ids: Sequence[int],
-        current_ids: Sequence[int],
-        delta_ids: Sequence[int],
-    ) -> DeltaMessage | None:
-        return self._delta(current_text, False)
-
-    def finish_streaming(self, current_text: str) -> DeltaMessage | None:
-        return self._delta(current_text, True)
 
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
         """Whether the answer began in ``token_ids`` (the output so far). Incremental,
