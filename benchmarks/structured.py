@@ -39,9 +39,10 @@ backend, and decode throughput constrained against unconstrained, in one run.
     runs once with 8 tokens (grammar compiled and cached, prefixes cached, model warm);
     then ``--repeats`` rounds, each running every arm once in a rotated order; medians
     are reported, and constrained / unconstrained with the slowdown 1 - ratio.
-    During the timed rounds the engine's step phases are timed by wrapping its bound
-    methods on the instance (model forward, the mask step, sampling, the per-token
-    append that includes ``accept_tokens``); the wrappers cost ~1 us a call and are
+    The engine core runs in this process (``engine_process=False``) so that during
+    the timed rounds its step phases can be timed by wrapping its bound methods on
+    the instance (model forward, the mask step, sampling, the per-token update that
+    includes ``accept_tokens``); the wrappers cost ~1 us a call and are
     the same in every arm. ``--xgrammar-kernel-arm`` adds a diagnostic arm: xgrammar
     with the engine's ``apply_token_bitmask`` swapped, in this process only, for
     xgrammar's own CPU kernel, which runs no OpenMP region (see docs/benchmarks.md).
@@ -389,17 +390,18 @@ def print_masks(result: dict) -> None:
 
 
 class PhaseTimer:
-    """Wraps bound methods of one engine instance and sums the time spent in each."""
+    """Wraps bound methods of one engine core (run in this process) and sums the time
+    spent in each."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, core) -> None:
         self.totals: dict[str, float] = {}
         self.steps = 0
         for label, owner, attr in [
-            ("forward", engine.runner, "execute"),
-            ("masks", engine.structured, "apply_masks"),
-            ("sample", engine.sampler, "sample"),
-            ("append", engine, "_append_token"),
-            ("step", engine, "step"),
+            ("forward", core.runner, "execute"),
+            ("masks", core.grammar, "apply_masks"),
+            ("sample", core.step_sampler, "sample"),
+            ("append", core.updater, "update"),
+            ("step", core, "step"),
         ]:
             setattr(owner, attr, self._wrap(label, getattr(owner, attr)))
 
@@ -459,8 +461,9 @@ def bench_decode(backend_names: list[str], batches: list[int], max_tokens: int, 
     record_tokens = len(tok.encode(SHORTEST_RECORD, add_special_tokens=False))
     min_items = max_tokens // max(record_tokens // 2, 1) + 1
     schema = decode_schema(min_items)
-    llm = LLM(model, max_num_seqs=max(batches), grammar_compile_timeout=600.0)
-    timer = PhaseTimer(llm.engine)
+    # The core runs in this process so that its phases can be timed (the same in every arm).
+    llm = LLM(model, max_num_seqs=max(batches), grammar_compile_timeout=600.0, engine_process=False)
+    timer = PhaseTimer(llm.engine.core)
     base = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     arms = {"unconstrained": base}
     refused = {}

@@ -122,6 +122,24 @@ def test_a_serialized_grammar_masks_like_the_one_compiled_here(kind, value):
         masks_along_a_walk(backend.matcher(compiled), backend.matcher(elsewhere), info.vocab_size, seed)
 
 
+def test_a_grammar_too_large_to_ship_is_compiled_again_here(monkeypatch):
+    """The worker compiles it (within the timeout it can be killed at) but does not
+    serialize it: xgrammar's JSON of a large grammar costs gigabytes. Here every
+    grammar is "too large" (the worker reads the limit from its environment)."""
+    monkeypatch.setenv("PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES", "0")
+    shipped = []
+    original = XGrammarBackend.deserialize
+    monkeypatch.setattr(XGrammarBackend, "deserialize", lambda self, *a: shipped.append(1) or original(self, *a))
+    with closing(small_manager()) as m:
+        m.submit(StructuredOutputsParams(choice=["a", "b"]).spec()).result(120)  # the worker loads (and ships a test grammar)
+        shipped.clear()
+        grammar = m.submit(StructuredOutputsParams(json=SCHEMA).spec()).result(120)
+        assert grammar.backend_name == "xgrammar" and worker_pids(m) and not shipped
+        info = m._tokenizer_info()
+        here = XGrammarBackend().compile(GrammarSpec("json_schema", SCHEMA), info)
+        masks_along_a_walk(grammar.matcher(), XGrammarBackend().matcher(here), info.vocab_size, seed=2)
+
+
 def test_a_worker_compiles_what_this_process_would():
     with closing(small_manager()) as m:
         grammar = m.submit(StructuredOutputsParams(json=SCHEMA).spec()).result(120)

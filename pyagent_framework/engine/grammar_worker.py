@@ -15,7 +15,12 @@ The requests, each answered by one reply:
   tokenizer tables are built before any spec's compile clock starts. Replies
   ``{"ok": true, "target": "module:Class"}``, payload: that trivial grammar serialized.
 - ``{"op": "compile", "backend": name, "kind": kind, "value": value, "checked_after": bool}``: replies
-  ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar.
+  ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar; or, for a
+  grammar whose ``memory_bytes`` is over :data:`MAX_SHIPPED_BYTES`, ``{"ok": true,
+  "local": true}`` and no payload: the engine compiles it again itself. xgrammar's
+  JSON is ~36x its grammar's memory, and writing it takes far more: 305 MB and 4 GB
+  of memory for an 8 MB grammar (a 3,000-rule JSON Store schema ran out of 24 GB).
+  The worker still ran the compile first, within the timeout it can be killed at.
 
 A failure replies ``{"ok": false, "error": "ValueError" | "NotImplementedError" |
 "Exception", "type": exception class name, "message": text}``. Nothing else goes to
@@ -38,6 +43,11 @@ import time
 from typing import Any, BinaryIO
 
 from pyagent_framework import registries
+
+#: A compiled grammar larger than this (``GrammarBackend.memory_bytes``) is not
+#: serialized back to the engine, which compiles it itself
+#: (``PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES`` in the worker's environment overrides it).
+MAX_SHIPPED_BYTES = int(os.environ.get("PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES", 1 << 20))
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
 logger = logging.getLogger("pyagent_framework.engine.grammar_worker")
@@ -172,6 +182,8 @@ def _handle(header: dict, payload: bytes, state: dict[str, Any]) -> tuple[dict, 
     if op == "compile":
         backend = backends[header["backend"]]
         compiled = backend.compile(GrammarSpec(header["kind"], header["value"], bool(header.get("checked_after"))), info)
+        if backend.memory_bytes(compiled) > MAX_SHIPPED_BYTES:
+            return {"ok": True, "local": True}, b""
         return {"ok": True}, backend.serialize(compiled)
     raise ValueError(f"unknown request {op!r}")
 

@@ -309,6 +309,8 @@ class StructuredOutputManager:
         finally:
             job.in_worker = False
         if reply["ok"]:
+            if reply.get("local"):  # too large to ship (grammar_worker.MAX_SHIPPED_BYTES): compiled here too
+                return backend.compile(job.spec, info)
             return backend.deserialize(data, info)
         if reply["error"] == "ValueError":
             raise ValueError(reply["message"])
