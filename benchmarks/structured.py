@@ -48,7 +48,10 @@ backend, and decode throughput constrained against unconstrained, in one run.
     xgrammar's own CPU kernel, which runs no OpenMP region (see docs/benchmarks.md).
 
 (3) Coverage (``--coverage``), on the stored sample of 256 real-world schemas
-    (``tests/data/jsonschemabench``, JSONSchemaBench, MIT). Each schema is compiled
+    (``tests/data/jsonschemabench``, JSONSchemaBench, MIT). A schema the engine's own
+    request checks refuse (its metaschema, a pattern whose matching cost cannot be
+    bounded) is counted apart, as a request would meet that refusal before any
+    backend. Each other schema is compiled
     through the engine's ``StructuredOutputManager`` (worker processes, the default
     10 s compile timeout, the SmolLM2 vocabulary) by each backend and by ``auto``:
     once as the engine asks (``checked_after``: keywords a grammar cannot express
@@ -579,9 +582,22 @@ def bench_coverage(backend_names: list[str], timeout: float) -> dict:
     from pyagent_framework.engine.structured import StructuredOutputManager
     from pyagent_framework.types import GrammarSpec
 
-    rows = load_collection()
+    from pyagent_framework import StructuredOutputsParams
+
+    rows = []
+    result = {"schemas": 0, "arms": {}, "engine_refused": {}}
+    for row in load_collection():  # the engine's own checks first, as a request meets them
+        try:
+            StructuredOutputsParams(json=row["schema"]).spec()
+            rows.append(row)
+        except InvalidRequestError as exc:
+            result["engine_refused"][row["id"]] = str(exc)[:300]
+    result["schemas"] = len(rows)
+    print(f"  {len(rows)} schemas; refused by the engine's request checks before any backend: "
+          f"{len(result['engine_refused'])}", flush=True)
+    for rid, why in result["engine_refused"].items():
+        print(f"    {rid}: {why[:200]}", flush=True)
     tok = registries.tokenizers.load("hf").from_pretrained(loader.resolve_model("smollm2"))
-    result = {"schemas": len(rows), "arms": {}}
     for name in [*backend_names, "auto"]:
         for checked in (True, False):
             manager = StructuredOutputManager(tok, VOCAB_SIZE, default_backend=name, compile_timeout=timeout)

@@ -105,9 +105,10 @@ class StructuredOutputsParams:
                 _fail(f"a JSON schema is an object, got {type(schema).__name__}", "json")
             if text is None:
                 try:
-                    _check_size("json", json.dumps(schema))
+                    text = json.dumps(schema)
                 except (TypeError, ValueError, RecursionError) as exc:
                     _fail(f"the JSON schema cannot be written as JSON: {exc}", "json")
+                _check_size("json", text)
             _check_schema(schema)
             for where, pattern in schema_patterns(schema):
                 _check_regex_cost("json", pattern, f"the JSON schema's pattern at {where}: ")
