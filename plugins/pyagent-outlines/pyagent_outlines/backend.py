@@ -2,11 +2,14 @@
 expression, the regex a token-level DFA index over the vocabulary, and each request a
 guide walking it.
 
-Spec kinds: ``json_schema`` and ``json_object`` (through outlines-core's
-schema-to-regex translation, after :mod:`pyagent_outlines.schema` has refused what it
-would not enforce), ``regex`` and ``choice``. Context-free ``grammar`` specs are not
-regular: they raise ``NotImplementedError`` (so ``auto`` falls back to a backend that
-has them). A wrong spec raises ``ValueError``.
+Spec kinds: ``json_schema`` and ``json_object`` (translated to a regex by
+:mod:`pyagent_outlines.schema`, which refuses what no regex enforces), ``regex`` and
+``choice``. Context-free ``grammar`` specs are not regular: they raise
+``NotImplementedError`` (so ``auto`` falls back to a backend that has them). A wrong
+spec raises ``ValueError``.
+
+Compiled indexes are cached per vocabulary, keyed by the spec (kind, text and
+``checked_after``): a repeated schema costs a dictionary look-up, not a new index.
 
 Every regex is compiled as ``(?:...)\\z``. outlines-core builds its automaton with the
 regex crate's default leftmost-first match semantics, which stops at the first
@@ -18,10 +21,12 @@ alive and the automaton accepts exactly the regex's language.
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,15 +36,22 @@ import torch
 from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
-from pyagent_outlines.schema import prepare_schema
+from pyagent_outlines.schema import escape, json_object_regex, json_schema_regex
 
 # Several tokenizers may be in use (a draft model's, tests'); each gets its own vocabulary.
 MAX_VOCABULARIES = 4
 # States the guide keeps for rollback; deeper rollbacks replay from the start.
 ROLLBACK_WINDOW = 64
-# Characters with a meaning in outlines-core's (Rust) regex syntax; every other
-# character stands for itself (escaping one that has no meaning is an error there).
-_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$#&-~")
+# The most work an index may take: automaton states times vocabulary tokens. Measured
+# with outlines-core 0.2.14 on SmolLM2's 49k-token vocabulary: 0.71 to 1.11 ms per state
+# (median 0.84) over 40 JSONSchemaBench schemas of 300 to 16,000 states, i.e. about
+# 17 ns per (state, token): this is about 8.5 s, within the engine's 10 s compile timeout.
+MAX_INDEX_WORK = 500_000_000
+_SECONDS_PER_STATE_TOKEN = 17e-9
+# Compiled indexes kept for reuse: at most this many, and about this much memory in
+# all (memory_bytes' estimate); the least recently used go first.
+MAX_CACHED_INDEXES = 64
+MAX_CACHED_BYTES = 512 << 20
 
 # memory_bytes: measured with outlines-core 0.2.14 on SmolLM2's 49k-token vocabulary
 # (and the same vocabulary with every id moved past 65535), as the growth of the
@@ -60,6 +72,8 @@ class OutlinesBackend(GrammarBackend):
     def __init__(self) -> None:
         self._vocabularies: dict[int, tuple[TokenizerInfo, Any]] = {}
         self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompiledIndex] = OrderedDict()
+        self._cached_bytes = 0
 
     def _vocabulary(self, info: TokenizerInfo) -> Any:
         with self._lock:
@@ -84,13 +98,34 @@ class OutlinesBackend(GrammarBackend):
     def compile(self, spec: GrammarSpec, tokenizer_info: TokenizerInfo) -> "CompiledIndex":
         if spec.kind not in self.supported_kinds:
             raise NotImplementedError(f"outlines does not handle {spec.kind!r} specs (only regular languages)")
-        regex = _regex(spec)
-        vocabulary = self._vocabulary(tokenizer_info)
+        key = (id(tokenizer_info), spec.kind, _spec_text(spec.value), spec.checked_after)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None and cached.tokenizer_info is tokenizer_info:
+                self._cache.move_to_end(key)
+                return cached
+        regex = f"(?:{_regex(spec)})\\z"
         try:
-            index = outlines_core.Index(f"(?:{regex})\\z", vocabulary)
+            _check_index_work(regex, tokenizer_info)
+            index = outlines_core.Index(regex, self._vocabulary(tokenizer_info))
         except ValueError as exc:
             raise _index_error(spec, exc) from None
-        return CompiledIndex(index, tokenizer_info)
+        compiled = CompiledIndex(index, tokenizer_info)
+        self._keep(key, compiled)
+        return compiled
+
+    def _keep(self, key: tuple, compiled: "CompiledIndex") -> None:
+        size = compiled.nbytes()  # the engine asks memory_bytes for it anyway
+        with self._lock:
+            previous = self._cache.pop(key, None)
+            if previous is not None:
+                self._cached_bytes -= previous.nbytes()
+            self._cache[key] = compiled
+            self._cached_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > MAX_CACHED_INDEXES
+                                            or self._cached_bytes > MAX_CACHED_BYTES):
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped.nbytes()
 
     def matcher(self, compiled: "CompiledIndex") -> "OutlinesMatcher":
         return OutlinesMatcher(compiled)
@@ -104,6 +139,7 @@ class CompiledIndex:
 
     def __init__(self, index: Any, info: TokenizerInfo) -> None:
         self.index = index
+        self.tokenizer_info = info
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = info.vocab_size
         self._nbytes: int | None = None
@@ -193,23 +229,46 @@ class OutlinesMatcher(GrammarMatcher):
 
 def _regex(spec: GrammarSpec) -> str:
     value = spec.value
-    if spec.kind in ("json_schema", "json_object"):
-        schema = prepare_schema({"type": "object"} if spec.kind == "json_object" else value)
-        try:
-            return outlines_core.json_schema.build_regex_from_schema(json.dumps(schema))
-        except (ValueError, TypeError) as exc:  # a schema the checks let through but outlines-core refuses
-            raise NotImplementedError(f"outlines: cannot translate this schema: {_first_line(exc)}") from None
+    if spec.kind == "json_schema":
+        return json_schema_regex(value, spec.checked_after)
+    if spec.kind == "json_object":
+        return json_object_regex()
     if spec.kind == "choice":
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("invalid choice: give a non-empty list of non-empty strings")
-        return "|".join(_escape(c) for c in value)
+        return "|".join(escape(c) for c in value)
     if not isinstance(value, str) or not value:
         raise ValueError("invalid regex: give a non-empty pattern")
     return value
 
 
-def _escape(text: str) -> str:
-    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
+def _check_index_work(regex: str, info: TokenizerInfo) -> None:
+    """Refuse a regex whose index would take too long: outlines-core walks every token
+    of the vocabulary from every state of the automaton, and an index over the 256
+    single bytes (about 1/200 of the work on a real vocabulary) counts those states."""
+    states = len(outlines_core.Index(regex, _byte_vocabulary()).get_transitions())
+    if states * info.vocab_size > MAX_INDEX_WORK:
+        seconds = states * info.vocab_size * _SECONDS_PER_STATE_TOKEN
+        limit = MAX_INDEX_WORK * _SECONDS_PER_STATE_TOKEN
+        raise NotImplementedError(f"outlines: the regex's automaton has {states} states: indexing them over "
+                                  f"{info.vocab_size} tokens would take about {seconds:.0f} s (the limit is about "
+                                  f"{limit:.0f} s; large maxLength/maxItems, many properties)")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_vocabulary() -> Any:
+    return outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+
+
+def _spec_text(value: Any) -> str:
+    """The spec's value as text, for the cache key: JSON with sorted keys for a dict (the
+    same schema as differently spaced text is cached apart, at the cost of a compile)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _index_error(spec: GrammarSpec, exc: ValueError) -> Exception:
