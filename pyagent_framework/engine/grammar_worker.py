@@ -17,7 +17,9 @@ The requests, each answered by one reply:
 - ``{"op": "compile", "backend": name, "kind": kind, "value": value, "checked_after": bool}``: replies
   ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar; or, for a
   grammar whose ``memory_bytes`` is over :data:`MAX_SHIPPED_BYTES`, ``{"ok": true,
-  "local": true}`` and no payload: the engine compiles it again itself. xgrammar's
+  "local": true, "seconds": compile time}`` and no payload: the engine compiles it
+  again itself, if twice that time is left of its limit (a thread there cannot be
+  stopped), else fails the compile naming the limit. xgrammar's
   JSON is ~36x its grammar's memory, and writing it takes far more: 305 MB and 4 GB
   of memory for an 8 MB grammar (a 3,000-rule JSON Store schema ran out of 24 GB).
   The worker still ran the compile first, within the timeout it can be killed at.
@@ -181,9 +183,10 @@ def _handle(header: dict, payload: bytes, state: dict[str, Any]) -> tuple[dict, 
         return {"ok": True, "target": f"{type(backend).__module__}:{type(backend).__qualname__}"}, data
     if op == "compile":
         backend = backends[header["backend"]]
+        start = time.perf_counter()
         compiled = backend.compile(GrammarSpec(header["kind"], header["value"], bool(header.get("checked_after"))), info)
         if backend.memory_bytes(compiled) > MAX_SHIPPED_BYTES:
-            return {"ok": True, "local": True}, b""
+            return {"ok": True, "local": True, "seconds": time.perf_counter() - start}, b""
         return {"ok": True}, backend.serialize(compiled)
     raise ValueError(f"unknown request {op!r}")
 

@@ -90,6 +90,7 @@ class _Job:
     in_worker: bool = False  # waiting for the worker's reply: a timeout kills the worker
     timed_out: bool = False
     abandoned: bool = False  # timed out while compiling in this process
+    clock: float = 0.0  # when the compile's time limit started
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> TokenizerInfo:
@@ -210,6 +211,7 @@ class StructuredOutputManager:
         try:
             job.worker = self._checkout(job.spec, job.names)  # likewise starting a worker
             timer.start()
+            job.clock = time.perf_counter()
             result, error = self._compile(job), None
         except BaseException as exc:  # reported to the requests, never raised in the engine
             result, error = None, exc
@@ -310,6 +312,14 @@ class StructuredOutputManager:
             job.in_worker = False
         if reply["ok"]:
             if reply.get("local"):  # too large to ship (grammar_worker.MAX_SHIPPED_BYTES): compiled here too
+                left = self.compile_timeout - (time.perf_counter() - job.clock)
+                if 2 * reply.get("seconds", 0.0) > left:  # a thread here cannot be stopped: not started late
+                    raise InvalidRequestError(
+                        f"structured_outputs: the {job.spec.kind}'s grammar took {reply.get('seconds', 0.0):.1f} s to "
+                        "compile and is too large to pass between processes; compiling it again here would run past "
+                        f"the {self.compile_timeout:g} s limit (grammar_compile_timeout); simplify it",
+                        param="structured_outputs",
+                    )
                 return backend.compile(job.spec, info)
             return backend.deserialize(data, info)
         if reply["error"] == "ValueError":
