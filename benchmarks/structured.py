@@ -655,7 +655,7 @@ def bench_generate(compiled_ids: list[str], max_tokens: int, model: str | None) 
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    counts = {"valid": 0, "caught by the check": 0, "delivered invalid": 0, "cut by max_tokens": 0}
+    counts = {"valid": 0, "caught by the check": 0, "failed otherwise": 0, "delivered invalid": 0, "cut by max_tokens": 0}
     caught, wrong, tokens = {}, {}, 0
     for rid, out in zip(compiled_ids, outs):
         [sample] = out.outputs
@@ -663,6 +663,10 @@ def bench_generate(compiled_ids: list[str], max_tokens: int, model: str | None) 
         if out.error_kind == "invalid_output":
             counts["caught by the check"] += 1
             caught[rid] = out.error[:300]
+            continue
+        if out.error is not None:  # e.g. the per-token grammar budget: no output was delivered
+            counts["failed otherwise"] += 1
+            caught[rid] = f"{out.error_kind}: {out.error[:280]}"
             continue
         if sample.finish_reason == "length":
             counts["cut by max_tokens"] += 1
@@ -673,7 +677,7 @@ def bench_generate(compiled_ids: list[str], max_tokens: int, model: str | None) 
             errors = [e.message for e in cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(json.loads(sample.text))]
         except ValueError as exc:
             errors = [f"not JSON: {exc}"]
-        if errors or out.error is not None:
+        if errors:
             counts["delivered invalid"] += 1
             wrong[rid] = (errors or [out.error])[:3]
         else:
