@@ -160,6 +160,11 @@ def test_response_format_structural_tag(client):
     fmt["triggers"] = ["<g="]
     response = chat(client, response_format=fmt, max_tokens=20)
     assert response.status_code == 400 and "starts with none of the triggers" in response.text
+    # vLLM's top-level field, as JSON text
+    vllm = json.dumps({"structures": [{"begin": "<f=a>", "schema": STRUCTURED_SCHEMA, "end": "</f>"}], "triggers": ["<f="]})
+    assert chat(client, structural_tag=vllm, max_tokens=20).status_code == 200
+    response = chat(client, structural_tag=vllm, structured_outputs={"regex": "a"}, max_tokens=20)
+    assert response.status_code == 400 and "not both" in response.text
 
 
 def test_structured_outputs_choice_streams_and_regex_completes(client):

@@ -34,7 +34,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "guided_whitespace_pattern": None,
-    "structural_tag": None,
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
     "return_token_ids": False,
@@ -163,13 +162,14 @@ class SamplingFields(RequestBody):
     priority: int = 0
     speculative: bool = True  # false: no speculative drafts for this request
     response_format: ResponseFormat | None = None
-    # vLLM's extra: exactly one of json, json_object, regex, choice, grammar; optional backend
+    # vLLM's extra: exactly one of json, json_object, regex, choice, grammar, structural_tag; optional backend
     structured_outputs: dict[str, Any] | None = None
     # vLLM's older names for the same, mapped onto structured_outputs
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None  # vLLM's top-level field, JSON text or an object
     guided_decoding_backend: str | None = None
     # vLLM's extra: the top logprobs of every prompt token (not with stream=true)
     prompt_logprobs: int | None = None

@@ -98,7 +98,8 @@ class SamplingMixin:
         structured-outputs mapping (checked by SamplingParams.validate)."""
         guided = {
             key: value
-            for key, value in (("json", req.guided_json), ("regex", req.guided_regex), ("choice", req.guided_choice), ("grammar", req.guided_grammar))
+            for key, value in (("json", req.guided_json), ("regex", req.guided_regex), ("choice", req.guided_choice),
+                               ("grammar", req.guided_grammar), ("structural_tag", req.structural_tag))
             if value is not None
         }
         if guided:  # vLLM's older names
