@@ -226,7 +226,9 @@ class OutputProcessor:
         parsers = sample.parsers
         if parsers is not None and parsers.reasoning is not None:  # the grammar starts after the reasoning
             split = parsers.call("reasoning_parser", "extract", parsers.reasoning.extract, text, parsers.spec.request)
-            text = split.content or ""
+            if not split.content:  # the reasoning never ended: the grammar never started
+                return None
+            text = split.content
         return schema_violation(structured.json, text)
 
     def _cut_at_stop(self, sample: SampleState, params: SamplingParams, new_chars: int) -> bool:
