@@ -218,7 +218,7 @@ def xgrammar_grammar(value: Any, checked_after: bool = False) -> Any:
 # ---------------------------------------------------------------------- compile cost
 
 _RULE_LINE = re.compile(r"^([A-Za-z_]\w*) ::= (.*)$")
-_REPEAT = re.compile(r"([A-Za-z_]\w*)\{(\d+), (-?\d+)\}")
+_REPEAT = re.compile(r"(?<!\w)([A-Za-z_]\w*)\{(\d+), (-?\d+)\}")
 _NAME = re.compile(r"[A-Za-z_]\w*")
 #: Repetitions up to this count are left to xgrammar; longer ones are split into blocks.
 REPEAT_BLOCK = 16
@@ -253,20 +253,11 @@ def compact_grammar(text: str, any_keys: bool = False) -> str:
             if name.endswith("_addl_key"):
                 rules[name] = '(("\\"" basic_string_sub))'
     blocks: dict[str, str] = {}
-    rules = {name: _rewrite_code(body, lambda code: _REPEAT.sub(lambda m: _split_repeat(m, rules, blocks), code))
+    rules = {name: _rewrite_code(body, lambda code: _REPEAT.sub(lambda m: _split_repeat(m, rules, blocks), code)
+                                 if "{" in code else code) if "{" in body else body
              for name, body in rules.items()}
     rules.update(blocks)
-    while True:
-        canonical: dict[str, str] = {}
-        renamed = {}
-        for name, body in rules.items():
-            first = canonical.setdefault(body, name)
-            if first != name and name != "root":
-                renamed[name] = first
-        if not renamed:
-            break
-        rules = {name: _rewrite_code(body, lambda code: _NAME.sub(lambda m: renamed.get(m.group(0), m.group(0)), code))
-                 for name, body in rules.items() if name not in renamed}
+    rules = _merge_duplicates(rules)
     reached, todo = {"root"}, ["root"]
     while todo:
         for code in _code_parts(rules.get(todo.pop(), "")):
@@ -275,6 +266,50 @@ def compact_grammar(text: str, any_keys: bool = False) -> str:
                     reached.add(used)
                     todo.append(used)
     return "\n".join(f"{name} ::= {body}" for name, body in rules.items() if name in reached)
+
+
+def _merge_duplicates(rules: dict[str, str]) -> dict[str, str]:
+    """``rules`` with every rule whose body equals an earlier one's replaced by that
+    one, until no two bodies are equal (a merge can make its users equal in turn).
+    Each body is tokenized once; a merge rewrites only the rules that use the merged
+    name, so the cost follows the merges rather than rules × rounds."""
+    tokens = {name: _EBNF_TOKEN.findall(body) for name, body in rules.items()}
+    users: dict[str, set[str]] = {}
+    for name, parts in tokens.items():
+        for part in parts:
+            if part in tokens and part != name:
+                users.setdefault(part, set()).add(name)
+    index: dict[str, str] = {}  # body -> the rule that keeps it
+    pending: list[tuple[str, str]] = []
+
+    def place(name: str) -> None:
+        first = index.setdefault("".join(tokens[name]), name)
+        if first != name and name != "root":
+            pending.append((name, first))
+
+    for name in tokens:
+        place(name)
+    while pending:
+        old, new = pending.pop()
+        if old not in tokens or new not in tokens:
+            if old in tokens:
+                place(old)
+            continue
+        if tokens[old] != tokens[new]:  # one of them changed since: look again
+            place(old)
+            continue
+        del tokens[old]
+        for user in users.pop(old, ()):
+            if user not in tokens:
+                continue
+            body = "".join(tokens[user])
+            if index.get(body) == user:
+                del index[body]
+            tokens[user] = [new if part == old else part for part in tokens[user]]
+            if user != new:
+                users.setdefault(new, set()).add(user)
+            place(user)
+    return {name: "".join(parts) for name, parts in tokens.items()}
 
 
 def _code_parts(body: str) -> list[str]:

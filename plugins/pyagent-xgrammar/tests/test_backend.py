@@ -441,3 +441,65 @@ def test_what_xgrammar_cannot_enforce_is_left_to_the_check_after_generation(back
 def test_what_the_check_cannot_stand_in_for_is_refused_even_with_it(backend, schema):
     with pytest.raises(NotImplementedError):
         backend.compile(GrammarSpec("json_schema", schema, checked_after=True), INFO)
+
+
+# ---------------------------------------------------------------------- compile cost
+
+def _accepts(text: str, string: str) -> bool:
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(xgr.Grammar.from_ebnf(text), string)
+
+
+def _strings(alphabet: str, longest: int) -> list[str]:
+    out = [""]
+    for _ in range(longest):
+        out += [s + c for s in out if len(s) == len(out[-1]) for c in alphabet]
+    return sorted(set(out))
+
+
+def test_rules_with_equal_bodies_merge_until_none_are_equal():
+    """A merge makes the rules that use the merged names equal in turn (c = d, then
+    a = b). Bodies are compared as written: e and f, each naming itself, stay apart."""
+    from pyagent_xgrammar.schema import compact_grammar
+
+    text = "\n".join([
+        'root ::= (a b) | (e f)', 'a ::= "x" c', 'b ::= "x" d', 'c ::= "y"', 'd ::= "y"',
+        'e ::= "z" e | "y"', 'f ::= "z" f | "y"',
+    ])
+    compact = compact_grammar(text)
+    bodies = [line.split(" ::= ", 1)[1] for line in compact.splitlines()]
+    assert len(bodies) == len(set(bodies)) == 5, compact  # root, a, c, e, f
+    assert compact.splitlines()[0] == "root ::= (a a) | (e f)"
+    for string in _strings("xyz", 5):
+        assert _accepts(compact, string) == _accepts(text, string), string
+
+
+def test_compacting_random_grammars_keeps_their_language():
+    """Differential: random small grammars (shared and recursive bodies, bounded
+    repetitions past the block size) accept the same strings before and after."""
+    import random
+
+    from pyagent_xgrammar.schema import REPEAT_BLOCK, compact_grammar
+
+    rng = random.Random(25)
+    pieces = ['"x"', '"y"', '"xy"', '[x-y]', '""']
+    for _ in range(60):
+        names = [f"r{i}" for i in range(rng.randint(2, 6))]
+        lines = []
+        for name in ["root", *names]:
+            alternatives = []
+            for _ in range(rng.randint(1, 2)):
+                seq = [rng.choice(pieces + names) for _ in range(rng.randint(1, 3))]
+                if rng.random() < 0.2:
+                    seq.append(f"{rng.choice(names)}{{0, {REPEAT_BLOCK + rng.randint(1, 20)}}}")
+                alternatives.append(" ".join(seq))
+            alternatives.append(rng.choice(pieces))  # every rule can end
+            lines.append(f"{name} ::= " + " | ".join(f"({a})" for a in alternatives))
+        text = "\n".join(lines)
+        compact = compact_grammar(text)
+        bodies = [line.split(" ::= ", 1)[1] for line in compact.splitlines()]
+        assert len(bodies) == len(set(bodies)), compact
+        for string in _strings("xy", 5):
+            assert _accepts(compact, string) == _accepts(text, string), (text, compact, string)
