@@ -122,11 +122,13 @@ def test_a_serialized_grammar_masks_like_the_one_compiled_here(kind, value):
         masks_along_a_walk(backend.matcher(compiled), backend.matcher(elsewhere), info.vocab_size, seed)
 
 
-def test_a_grammar_too_large_to_ship_is_compiled_again_here(monkeypatch):
+@pytest.mark.parametrize("setting", ["PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES", "PYAGENT_GRAMMAR_SHIP_SECONDS_PER_MB"])
+def test_a_grammar_dearer_to_ship_than_to_compile_is_compiled_again_here(monkeypatch, setting):
     """The worker compiles it (within the timeout it can be killed at) but does not
-    serialize it: xgrammar's JSON of a large grammar costs gigabytes. Here every
-    grammar is "too large" (the worker reads the limit from its environment)."""
-    monkeypatch.setenv("PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES", "0")
+    serialize it: xgrammar's JSON of a large grammar costs gigabytes, and even a small
+    one's often costs more than its compile. Here every grammar is too large, or
+    shipping it too dear (the worker reads both from its environment)."""
+    monkeypatch.setenv(setting, "0" if setting.endswith("BYTES") else "1e9")
     shipped = []
     original = XGrammarBackend.deserialize
     monkeypatch.setattr(XGrammarBackend, "deserialize", lambda self, *a: shipped.append(1) or original(self, *a))
@@ -140,10 +142,16 @@ def test_a_grammar_too_large_to_ship_is_compiled_again_here(monkeypatch):
         masks_along_a_walk(grammar.matcher(), XGrammarBackend().matcher(here), info.vocab_size, seed=2)
 
 
-def test_a_worker_compiles_what_this_process_would():
+def test_a_worker_compiles_what_this_process_would(monkeypatch):
+    monkeypatch.setenv("PYAGENT_GRAMMAR_SHIP_SECONDS_PER_MB", "0")  # ship every grammar: the path under test
+    shipped = []
+    original = XGrammarBackend.deserialize
+    monkeypatch.setattr(XGrammarBackend, "deserialize", lambda self, *a: shipped.append(1) or original(self, *a))
     with closing(small_manager()) as m:
+        m.submit(StructuredOutputsParams(choice=["a", "b"]).spec()).result(120)  # the worker loads
+        shipped.clear()
         grammar = m.submit(StructuredOutputsParams(json=SCHEMA).spec()).result(120)
-        assert grammar.backend_name == "xgrammar" and worker_pids(m)  # compiled in a worker
+        assert grammar.backend_name == "xgrammar" and worker_pids(m) and shipped  # compiled in a worker, shipped
         info = m._tokenizer_info()
         here = XGrammarBackend().compile(GrammarSpec("json_schema", SCHEMA), info)
         masks_along_a_walk(grammar.matcher(), XGrammarBackend().matcher(here), info.vocab_size, seed=1)

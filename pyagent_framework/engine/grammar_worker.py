@@ -15,14 +15,19 @@ The requests, each answered by one reply:
   tokenizer tables are built before any spec's compile clock starts. Replies
   ``{"ok": true, "target": "module:Class"}``, payload: that trivial grammar serialized.
 - ``{"op": "compile", "backend": name, "kind": kind, "value": value, "checked_after": bool}``: replies
-  ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar; or, for a
-  grammar whose ``memory_bytes`` is over :data:`MAX_SHIPPED_BYTES`, ``{"ok": true,
-  "local": true, "seconds": compile time}`` and no payload: the engine compiles it
-  again itself, if twice that time is left of its limit (a thread there cannot be
-  stopped), else fails the compile naming the limit. xgrammar's
-  JSON is ~36x its grammar's memory, and writing it takes far more: 305 MB and 4 GB
-  of memory for an 8 MB grammar (a 3,000-rule JSON Store schema ran out of 24 GB).
-  The worker still ran the compile first, within the timeout it can be killed at.
+  ``{"ok": true}``, payload: ``backend.serialize`` of the compiled grammar, when
+  shipping it is expected to cost less than compiling it again; otherwise
+  ``{"ok": true, "local": true, "seconds": compile time}`` and no payload: the engine
+  compiles it again itself, if twice that time is left of its limit (a thread there
+  cannot be stopped), else fails the compile naming the limit. The worker has then
+  shown that the compile ends within the timeout it can be killed at, and does not
+  crash. Shipping is expected to cost :data:`SHIP_SECONDS_PER_BYTE` per byte of the
+  grammar's ``memory_bytes``, and a grammar over :data:`MAX_SHIPPED_BYTES` is never
+  shipped. On the stored real-world schemas (``tests/data/jsonschemabench``), writing
+  xgrammar's JSON and reading it back took 0.07 to 1.6 s per MB of grammar (often
+  20 times its compile: 1.4 s against 38 ms for one under 1 MB), and the JSON is up
+  to ~36x the grammar's memory: 305 MB and 4 GB of memory for an 8 MB grammar (a
+  3,000-rule JSON Store schema ran out of 24 GB).
 
 A failure replies ``{"ok": false, "error": "ValueError" | "NotImplementedError" |
 "Exception", "type": exception class name, "message": text}``. Nothing else goes to
@@ -50,6 +55,11 @@ from pyagent_framework import registries
 #: serialized back to the engine, which compiles it itself
 #: (``PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES`` in the worker's environment overrides it).
 MAX_SHIPPED_BYTES = int(os.environ.get("PYAGENT_GRAMMAR_MAX_SHIPPED_BYTES", 1 << 20))
+#: What writing a compiled grammar here and reading it in the engine is expected to
+#: cost, in seconds per byte of its ``memory_bytes`` (about the median for xgrammar on
+#: the stored schemas); a grammar that compiled in less is compiled again in the
+#: engine (``PYAGENT_GRAMMAR_SHIP_SECONDS_PER_MB`` overrides it, per MB).
+SHIP_SECONDS_PER_BYTE = float(os.environ.get("PYAGENT_GRAMMAR_SHIP_SECONDS_PER_MB", 1.0)) / 1e6
 from pyagent_framework.types import GrammarSpec, TokenizerInfo
 
 logger = logging.getLogger("pyagent_framework.engine.grammar_worker")
@@ -185,8 +195,9 @@ def _handle(header: dict, payload: bytes, state: dict[str, Any]) -> tuple[dict, 
         backend = backends[header["backend"]]
         start = time.perf_counter()
         compiled = backend.compile(GrammarSpec(header["kind"], header["value"], bool(header.get("checked_after"))), info)
-        if backend.memory_bytes(compiled) > MAX_SHIPPED_BYTES:
-            return {"ok": True, "local": True, "seconds": time.perf_counter() - start}, b""
+        seconds, size = time.perf_counter() - start, backend.memory_bytes(compiled)
+        if size > MAX_SHIPPED_BYTES or size * SHIP_SECONDS_PER_BYTE > seconds:
+            return {"ok": True, "local": True, "seconds": seconds}, b""
         return {"ok": True}, backend.serialize(compiled)
     raise ValueError(f"unknown request {op!r}")
 

@@ -10,9 +10,11 @@ by the sum of ``GrammarBackend.memory_bytes``.
 A backend that can serialize its compiled grammars (``GrammarBackend.serialize`` and
 ``deserialize``, as xgrammar does) compiles in a worker process
 (:mod:`~pyagent_framework.engine.grammar_worker`: at most ``MAX_CONCURRENT_COMPILES``,
-started when first needed and kept), and the result is deserialized here. A compile
-that runs past the timeout fails its requests and its process is killed; the next
-compile starts a fresh one. The clock starts when the spec is sent to a ready
+started when first needed and kept). The result is deserialized here, or, where
+that is expected to cost more than compiling again (nearly always for xgrammar, whose
+serialized grammars are large and slow to write), compiled again here once the worker
+has shown that the compile ends in time. A compile that runs past the timeout fails
+its requests and its process is killed; the next compile starts a fresh one. The clock starts when the spec is sent to a ready
 worker: starting one (interpreter, imports, the backend's tokenizer tables) is not
 the spec's cost. A worker that dies mid-compile fails that compile and is replaced.
 
@@ -311,7 +313,7 @@ class StructuredOutputManager:
         finally:
             job.in_worker = False
         if reply["ok"]:
-            if reply.get("local"):  # too large to ship (grammar_worker.MAX_SHIPPED_BYTES): compiled here too
+            if reply.get("local"):  # cheaper to compile again than to ship (grammar_worker): compiled here too
                 left = self.compile_timeout - (time.perf_counter() - job.clock)
                 if 2 * reply.get("seconds", 0.0) > left:  # a thread here cannot be stopped: not started late
                     raise InvalidRequestError(

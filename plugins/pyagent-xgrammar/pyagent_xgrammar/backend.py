@@ -17,6 +17,7 @@ what is honoured, rewritten or refused).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ from pyagent_xgrammar.schema import RegexRefused, normalise_regex, structural_ta
 
 # Several tokenizers may be in use (a draft model's, tests'); each needs its own compiler.
 MAX_COMPILERS = 4
+#: Threads one compile may use (xgrammar splits a grammar's token masks among them):
+#: the cores this process may run on, at most 8. A compile is short and rare next to
+#: decoding, and its time is the waiting request's time to first token.
+COMPILE_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -53,7 +58,7 @@ class XGrammarBackend(GrammarBackend):
                 vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=sorted(info.eos_token_ids)
             )
             # The engine keeps its own bounded cache of compiled grammars.
-            compiler = xgr.GrammarCompiler(xgr_info, max_threads=1, cache_enabled=False)
+            compiler = xgr.GrammarCompiler(xgr_info, max_threads=COMPILE_THREADS, cache_enabled=False)
             if len(self._compilers) >= MAX_COMPILERS:
                 self._compilers.pop(next(iter(self._compilers)))
             self._compilers[id(info)] = (info, compiler, xgr_info)
