@@ -607,7 +607,7 @@ def bench_coverage(backend_names: list[str], timeout: float) -> dict:
             except InvalidRequestError:
                 pass
             counts = {"compiled": 0, "refused": 0, "invalid": 0, "timeout": 0}
-            times, reasons, compiled_ids = [], {}, []
+            times, reasons, compiled_ids, slowest = [], {}, [], []
             for row in rows:
                 start = time.perf_counter()
                 try:
@@ -622,6 +622,7 @@ def bench_coverage(backend_names: list[str], timeout: float) -> dict:
                 times.append(time.perf_counter() - start)
                 counts["compiled"] += 1
                 compiled_ids.append(row["id"])
+                slowest.append((times[-1], row["id"]))
             manager.close()
             arm = f"{name}{'' if checked else ' (exact)'}"
             result["arms"][arm] = {
@@ -634,6 +635,9 @@ def bench_coverage(backend_names: list[str], timeout: float) -> dict:
                   f"{counts['refused']:>3}  invalid {counts['invalid']:>2}  timeout {counts['timeout']:>2}  compile p50 "
                   f"{entry['compile_p50_ms'] or 0:.1f} ms  p99 {entry['compile_p99_ms'] or 0:.0f} ms  max "
                   f"{entry['compile_max_ms'] or 0:.0f} ms", flush=True)
+            slowest.sort(reverse=True)
+            entry["slowest"] = {rid: round(seconds * 1e3, 1) for seconds, rid in slowest[:5]}
+            print("    slowest: " + ", ".join(f"{rid} {ms:.0f} ms" for rid, ms in entry["slowest"].items()), flush=True)
     return result
 
 
