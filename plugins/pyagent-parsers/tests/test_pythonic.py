@@ -23,6 +23,8 @@ SAMPLES = [
     "[os.system(cmd='ls')]",
     '[f(a=b"x"), g(b=1), h(c="ok, fine")]',
     "<|python_start|>[g(b=1), f(a=1e999)]<|python_end|> done",
+    "[g(b=1), h(c='x, y'), f(a='x 'y', b='z')] after",  # a broken quote: the brackets never balance
+    '[g(b=1), get_weather(city="Par',  # cut off after a whole call
 ]
 
 
@@ -133,6 +135,12 @@ def test_a_bad_call_does_not_take_its_good_neighbours_with_it():
     assert read('[g(b=1), f(a=1e999), h(c="ok")]') == ("f(a=1e999)", good)
     assert read('[g(b=1), f(a=), h(c="ok")]') == ("f(a=)", good)
     assert read("<|python_start|>[g(b=1), f(a=b'x', z=2), h(c=\"ok\")]<|python_end|>") == ("f(a=b'x', z=2)", good)
+    # A broken quote: the brackets never balance, so the calls before it are read one
+    # by one, and the rest of the output is content.
+    assert read("[g(b=1), h(c='ok'), f(a='x 'y', b='z')] after") == ("f(a='x 'y', b='z')] after", good)
+    assert read('[g(b=1), h(c="ok"), get_weather(city="Par') == ('get_weather(city="Par', good)  # cut off
+    assert parse("[f(a='x 'y' 'z), g(b='p 'q' 'r)]") == ("[f(a='x 'y' 'z), g(b='p 'q' 'r)]", [], [])
+    assert parse("[g(b=1) f(a='x 'y')]") == ("[g(b=1) f(a='x 'y')]", [], [])  # no comma: no list of calls
     # A list with an element that is no call at all is not a call list.
     assert parse("[g(b=1), 3]") == ("[g(b=1), 3]", [], [])
 

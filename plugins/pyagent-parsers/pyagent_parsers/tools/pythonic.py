@@ -16,7 +16,9 @@ string keys; brackets nest at most :data:`~pyagent_parsers.base.MAX_DEPTH` deep
 (``[1, 2]``, ``[print(x)]``, ``[f(a=1), 3]``) is content, verbatim. In a list of
 calls, one that cannot be read (a bytes literal, a float too large, a syntax error
 of its own) does not take the others with it: the readable calls are calls, and the
-unreadable ones' source goes to the content, one per line.
+unreadable ones' source goes to the content, one per line. A list whose brackets
+never balance (a broken quote in one call, or the output cut off in it) keeps the
+whole calls it begins with, each followed by a comma; the rest is content.
 
 Where a call list may start:
 
@@ -32,7 +34,8 @@ Where a call list may start:
 The end of the list is found by matching brackets outside strings (``'``, ``"``,
 triple-quoted, with escapes) and ``#`` comments, in linear time; a closing bracket
 that does not match, or a newline in a one-line string, ends the span there as
-content. A list the output ends inside is content, from its ``[`` to the end.
+content. A list the output ends inside is content, from its ``[`` to the end, but for
+the whole calls it begins with.
 """
 
 from __future__ import annotations
@@ -215,6 +218,29 @@ def read_calls(span: str) -> Found | None:
     return Found(0, calls, "\n".join(part for part in leftovers if part))
 
 
+def leading_calls(text: str, start: int, end: int) -> Found | None:
+    """For a list at ``start`` whose brackets do not balance by ``end`` (a broken
+    quote in one call, or the output cut off): the readable calls it begins with, each
+    balanced and followed by a comma, as calls, and the rest up to ``end`` as content;
+    None if it begins with none. Each call's span is scanned once."""
+    calls = []
+    i = skip_space(text, start + 1)
+    while (head := _CALL_HEAD.match(text, i)) is not None:
+        inner = span_end(text, head.end() - 1)
+        if inner is None or not inner[1] or inner[0] > end:
+            break
+        node = _parse(text[i : inner[0]])
+        call = read_call(node) if node is not None else None
+        comma = skip_space(text, inner[0])
+        if call is None or comma >= end or text[comma] != ",":
+            break
+        calls.append(call)
+        i = skip_space(text, comma + 1)
+    if not calls:
+        return None
+    return Found(end, calls, text[i:end].strip())
+
+
 class PythonicToolParser(ScanningToolParser):
     markers = (START, "[")
 
@@ -230,10 +256,10 @@ class PythonicToolParser(ScanningToolParser):
                 return None
             return Found(next_start(_NEXT, _CUT_HEAD, "[", START, text, i + 1, final), None)  # not a call list, nor what follows up to there
         span = span_end(text, i)
-        if span is None:  # cut off: the rest is content
-            return None if not final else Found(n, None)
+        if span is None:  # cut off: the calls it began with, and the rest is content
+            return None if not final else leading_calls(text, i, n) or Found(n, None)
         end, balanced = span
-        read = read_calls(text[i:end]) if balanced else None
+        read = read_calls(text[i:end]) if balanced else leading_calls(text, i, end)
         if read is None:
             return Found(end, None)
         if marker != START:
