@@ -36,12 +36,12 @@ def _ensure_loaded() -> None:
     _discover()
 
 
-def _registry(kind: str, interface: type) -> Registry:
-    return Registry(kind, interface, ensure_loaded=_ensure_loaded)
+def _registry(kind: str, interface: type, alternatives: tuple[type, ...] = ()) -> Registry:
+    return Registry(kind, interface, alternatives=alternatives, ensure_loaded=_ensure_loaded)
 
 
 tokenizers = _registry("tokenizer", interfaces.Tokenizer)
-model_architectures = _registry("model_architecture", interfaces.ModelArchitecture)
+model_architectures = _registry("model_architecture", interfaces.ModelArchitecture, (interfaces.EncoderArchitecture,))
 weight_formats = _registry("weight_format", interfaces.WeightFormat)
 attention_backends = _registry("attention_backend", interfaces.AttentionBackend)
 quantizers = _registry("quantizer", interfaces.Quantizer)

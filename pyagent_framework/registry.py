@@ -116,8 +116,9 @@ class Registry:
     """Named entries of one kind.
 
     ``kind`` is singular ("tool_parser"); ``interface`` is the class entries must
-    satisfy. ``ensure_loaded`` is called before every read so plugins are discovered
-    lazily, on first use.
+    satisfy, or one of ``alternatives`` instead (a model architecture is a causal
+    language model or an encoder). ``ensure_loaded`` is called before every read so
+    plugins are discovered lazily, on first use.
     """
 
     def __init__(
@@ -125,10 +126,12 @@ class Registry:
         kind: str,
         interface: type,
         *,
+        alternatives: tuple[type, ...] = (),
         ensure_loaded: Callable[[], None] | None = None,
     ) -> None:
         self.kind = kind
         self.interface = interface
+        self.alternatives = alternatives
         self._ensure_loaded = ensure_loaded or (lambda: None)
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
@@ -304,10 +307,11 @@ class Registry:
 
     def _check_interface(self, name: str, obj: Any, provider: Provider) -> None:
         missing = missing_members(obj, self.interface)
-        if missing:
+        if missing and not any(not missing_members(obj, other) for other in self.alternatives):
+            others = "".join(f" (or {other.__module__}.{other.__qualname__})" for other in self.alternatives)
             raise InterfaceError(
                 f"{self.kind} {name!r} from {provider} does not satisfy "
-                f"{self.interface.__module__}.{self.interface.__qualname__}: "
+                f"{self.interface.__module__}.{self.interface.__qualname__}{others}: "
                 f"missing {', '.join(missing)}"
             )
 

@@ -227,3 +227,23 @@ def test_as_dict_is_json_ready():
         "provider": {"plugin": "alice", "distribution": "pyagent-alice", "version": "1.2"},
         "metadata": {"k": 1},
     }
+
+
+def test_an_entry_may_satisfy_an_alternative_interface_instead():
+    """A model architecture is a causal language model or an encoder."""
+    from pyagent_framework.interfaces import EncoderArchitecture, ModelArchitecture
+
+    class Encoder(EncoderArchitecture):
+        def forward(self, input_ids, positions, query_start_loc, token_type_ids=None): ...
+        def load_weights(self, weights):
+            return set()
+
+    class Neither:
+        def forward(self, *args): ...
+
+    registry = Registry("model_architecture", ModelArchitecture, alternatives=(EncoderArchitecture,))
+    add(registry, "Encoder", Encoder, BOB)
+    assert registry.load("Encoder") is Encoder
+    with pytest.raises(InterfaceError, match=r"ModelArchitecture \(or pyagent_framework.interfaces.model.EncoderArchitecture\): "
+                                             r"missing compute_logits, load_weights"):
+        add(registry, "Neither", Neither, BOB)

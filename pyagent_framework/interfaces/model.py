@@ -40,3 +40,26 @@ class ModelArchitecture(ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]: ...
+
+
+class EncoderArchitecture(ABC):
+    """A bidirectional encoder (BERT and its kin) whose hidden states are pooled into
+    one vector per sequence (embeddings), as a plain ``torch.nn.Module``.
+
+    Registered in the same registry as :class:`ModelArchitecture`, by the
+    checkpoint's HF ``architectures`` name; built as ``cls(config)``. No KV cache:
+    every sequence is whole in one forward pass, and attends to all of itself.
+
+    - ``forward(input_ids, positions, query_start_loc, token_type_ids=None)``: the
+      flattened tokens of a batch (``[num_tokens]``), their positions within their
+      sequence (from 0), ``[num_seqs + 1]`` prefix sums of the sequences' lengths, and
+      each token's segment (0 when None); returns hidden states
+      ``[num_tokens, hidden_size]``.
+    - ``load_weights(pairs)``: as :meth:`ModelArchitecture.load_weights`.
+    """
+
+    @abstractmethod
+    def forward(self, input_ids: Any, positions: Any, query_start_loc: Any, token_type_ids: Any = None) -> Any: ...
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]: ...

@@ -24,6 +24,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",
 }
+#: Encoders for embeddings (pyagent_framework.interfaces.EncoderArchitecture).
+ENCODERS = {
+    "BertModel": "bert",
+    "RobertaModel": "bert",
+    "XLMRobertaModel": "bert",
+}
 
 
 @hookimpl
@@ -54,3 +60,5 @@ def pyagent_register_weight_formats(register):
 def pyagent_register_model_architectures(register):
     for name, module in ARCHITECTURES.items():
         register(name, f"pyagent_hf.models.{module}:{name}", description=f"{name} in plain torch (pyagent attention backends)")
+    for name, module in ENCODERS.items():
+        register(name, f"pyagent_hf.models.{module}:{name}", description=f"{name} encoder in plain torch, for embeddings")

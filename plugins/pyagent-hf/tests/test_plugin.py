@@ -21,6 +21,9 @@ ENTRIES = [
     ("model_architectures", "Phi3ForCausalLM", "pyagent_hf.models.phi3:Phi3ForCausalLM"),
     ("model_architectures", "Gemma2ForCausalLM", "pyagent_hf.models.gemma:Gemma2ForCausalLM"),
     ("model_architectures", "Gemma3ForCausalLM", "pyagent_hf.models.gemma:Gemma3ForCausalLM"),
+    ("model_architectures", "BertModel", "pyagent_hf.models.bert:BertModel"),
+    ("model_architectures", "RobertaModel", "pyagent_hf.models.bert:RobertaModel"),
+    ("model_architectures", "XLMRobertaModel", "pyagent_hf.models.bert:XLMRobertaModel"),
 ]
 
 
