@@ -122,6 +122,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     cache_salt: str | None = None
     sample_index: int = 0
     grammar: GrammarRequest | None = None
+    embed: bool = False  # an embedding: the prompt's pooled hidden states, nothing generated
 
 
 class AddRequests(msgspec.Struct, frozen=True, tag=True):
@@ -172,6 +173,7 @@ class CoreOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     error: CoreError | None = None
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    embedding: TensorBuffer | None = None  # an embedding request's pooled vector (float32, not normalized)
 
 
 class CoreInfo(msgspec.Struct, frozen=True):
@@ -185,6 +187,9 @@ class CoreInfo(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     block_size: int
     pid: int
+    task: str = "generate"  # "embed": an encoder, which serves embedding requests only
+    hidden_size: int = 0  # an embedding's length (embed)
+    matryoshka: bool = False  # whether an embedding may be cut to fewer dimensions (embed)
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):

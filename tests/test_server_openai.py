@@ -262,3 +262,8 @@ def test_sigterm_drains_a_running_request_then_exits(tmp_path_factory):
         assert result["finish"] == "length", result  # the running request finished: drained, not cut
         with pytest.raises(OSError):
             server.get("/health")
+
+
+def test_embeddings_from_a_text_model_are_a_400_naming_the_model(server):
+    status, body = server.post_json("/v1/embeddings", {"model": "smollm2", "input": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and body["error"]["param"] == "model" and "embedding model" in body["error"]["message"]

@@ -93,7 +93,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, ski
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        if field.type in (bool, "bool"):  # --enable-x / --no-enable-x
+        if field.type in (bool, "bool", "bool | None"):  # --enable-x / --no-enable-x
             group.add_argument(flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=field.metadata.get("help"))
         else:
             group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))

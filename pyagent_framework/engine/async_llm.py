@@ -28,8 +28,8 @@ from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
-from pyagent_framework.engine.outputs import RequestOutput
-from pyagent_framework.engine.params import SamplingParams
+from pyagent_framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from pyagent_framework.engine.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger("pyagent_framework.engine")
 
@@ -165,6 +165,36 @@ class AsyncLLM:
             raise
         return RequestStream(self, request_id, queue)
 
+    async def embed(
+        self, prompts: Seq[str | Seq[int]], params: PoolingParams | None = None, *, request_id: str | None = None, **options: Any
+    ) -> list[EmbeddingRequestOutput]:
+        """The embeddings of these inputs, added together (one batch where the budget
+        allows); raises InvalidRequestError for bad input. A failure while one runs
+        comes back in its output's ``error``. Cancelling aborts those not done.
+        ``options``: :meth:`LLMEngine.add_embed_requests_nowait`'s."""
+        self._check_alive()
+        base = request_id or f"emb-{next(self._ids)}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in ids]
+        with self._streams_lock:
+            for rid, queue in zip(ids, queues):
+                self._streams[rid] = (loop, queue)
+        streams = [RequestStream(self, rid, queue) for rid, queue in zip(ids, queues)]
+        try:
+            pending = self.engine.add_embed_requests_nowait([(rid, p, params) for rid, p in zip(ids, prompts)], **options)
+            for _, acks in pending:
+                for ack in acks:
+                    await _wait(ack)
+            outputs = []
+            for stream in streams:
+                async for output in stream:
+                    outputs.append(output)
+            return outputs
+        finally:
+            for stream in streams:
+                stream.close()  # those not finished: aborted
+
     def _check_alive(self) -> None:
         if self.error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the engine was shut down")
@@ -210,9 +240,8 @@ class AsyncLLM:
     def _orphans(self) -> list[str]:
         """Streams whose request the front end no longer has and that got no final
         output (a failure it could not report): they are told, not left waiting."""
-        requests = self.engine.output_processor.requests
         with self._streams_lock:
-            return [request_id for request_id in self._streams if request_id not in requests]
+            return [request_id for request_id in self._streams if not self.engine.in_flight(request_id)]
 
     def _loop(self) -> None:
         engine = self.engine
@@ -227,7 +256,7 @@ class AsyncLLM:
             if core_outputs is None:
                 continue
             try:
-                outputs, aborts = engine.output_processor.process(core_outputs)
+                outputs, aborts = engine.process_outputs(core_outputs)
                 self.client.abort_requests(aborts)
                 self._deliver([(out.request_id, out) for out in outputs])
                 orphans = self._orphans()

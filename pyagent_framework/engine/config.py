@@ -93,6 +93,8 @@ class EngineConfig:
     data_parallel_max_restarts: int = attrs.field(default=3, validator=lambda _, a, v: _non_negative(a, v), metadata={"help": "how many times a data-parallel replica that died is started again (0: never); the others serve meanwhile"})
     ray_address: str | None = attrs.field(default=None, metadata={"help": "the Ray cluster to join: auto (the one running on this machine) or HOST:PORT; default: RAY_ADDRESS, else a Ray instance started for this engine"})
     ray_placement_timeout: float = attrs.field(default=60.0, validator=_positive, metadata={"help": "seconds to wait for the Ray cluster to reserve a replica's or a worker's CPUs before giving up with what is missing"})
+    pooling: str | None = attrs.field(default=None, validator=lambda _, a, v: v is None or _one_of(a, v, ("cls", "mean", "max", "last")), metadata={"help": "how an embedding model pools its token states: cls, mean, max or last (default: as the model's sentence-transformers files say, else cls)"})
+    normalize: bool | None = attrs.field(default=None, metadata={"help": "whether an embedding model's vectors are scaled to unit length (default: as the model's files say, else yes); a request's own normalize wins"})
     engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
     def rank_threads(self, cores: int) -> int:

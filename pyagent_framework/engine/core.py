@@ -150,6 +150,9 @@ class EngineCore:
         output: the future's error is the caller's answer) if it fails."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        if request.embed:
+            raise InvalidRequestError("this model generates text; embeddings need an embedding model (an encoder such as "
+                                      "BERT or all-MiniLM-L6-v2)", param="model")
         ids = list(request.prompt_token_ids)
         if not ids or len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}", param="prompt")

@@ -41,9 +41,9 @@ class InprocClient:
     adds and aborts from other threads are applied before the next step."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pyagent_framework.engine.core import EngineCore
+        from pyagent_framework.engine.pooling_core import make_core
 
-        self.core = EngineCore(config)
+        self.core = make_core(config)
         self.info = self.core.info()
         self.error: BaseException | None = None
         self.step_started: float | None = None  # monotonic time the running step began

@@ -173,7 +173,9 @@ def _loop_on_own_thread(core) -> bool:
     366-383 tok/s on a thread of its own against 535-548 on this one)."""
     import torch
 
-    return core.device.type != "cpu" or core.kv_cache.dtype == torch.float32
+    cache = getattr(core, "kv_cache", None)  # an encoder has none: its weights' dtype
+    dtype = cache.dtype if cache is not None else next(core.model.parameters()).dtype
+    return core.device.type != "cpu" or dtype == torch.float32
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,10 +200,10 @@ def serve(startup: CoreStartup, input_address: str, output_address: str) -> int:
     codec = Codec(FromCore)
 
     from pyagent_framework.engine.config import EngineConfig
-    from pyagent_framework.engine.core import EngineCore
+    from pyagent_framework.engine.pooling_core import make_core
 
     try:
-        core = EngineCore(EngineConfig(**startup.config))
+        core = make_core(EngineConfig(**startup.config))
     except Exception as exc:
         outbox.send(codec.encode(CoreFailed(as_core_error(exc), traceback.format_exc())))
         outbox.close(linger=2000)

@@ -9,8 +9,8 @@ from typing import Any, Union
 from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
-from pyagent_framework.engine.outputs import RequestOutput
-from pyagent_framework.engine.params import SamplingParams
+from pyagent_framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from pyagent_framework.engine.params import PoolingParams, SamplingParams
 
 Prompt = Union[str, Seq[int]]
 Messages = Seq[Mapping[str, Any]]
@@ -74,6 +74,28 @@ class LLM:
         in ``error``; the others are unaffected."""
         ids = self._submit(prompts, params, cache_salt, output_kind="final_only", parsers=parsers)
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
+        return [finals[request_id] for request_id in ids]
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every input, in the order given, from an embedding model
+        (an encoder: ``LLM(model=<all-MiniLM-L6-v2 directory>)``). The options (or
+        ``params``) are :class:`PoolingParams`'. Inputs are batched by the engine's token
+        budget; an input longer than the model reads raises unless
+        ``truncate_prompt_tokens`` is given."""
+        if params is None:
+            params = PoolingParams(truncate_prompt_tokens, normalize, dimensions)
+        prompts = _as_prompt_list(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        self.engine.wait_added(self.engine.add_embed_requests_nowait([(i, p, params) for i, p in zip(ids, prompts)]))
+        finals = {out.request_id: out for out in self._run(ids)}
         return [finals[request_id] for request_id in ids]
 
     def stream(

@@ -23,8 +23,10 @@ from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.input_processor import InputProcessor
 from pyagent_framework.engine.output_processor import OutputProcessor
-from pyagent_framework.engine.outputs import RequestOutput
-from pyagent_framework.engine.params import SamplingParams
+from pyagent_framework.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pyagent_framework.engine.params import PoolingParams, SamplingParams
+from pyagent_framework.engine.pooling import PoolingConfig
+from pyagent_framework.messages import AddRequest, CoreOutput, CoreOutputs, CoreSamplingParams, ErrorCode
 
 
 class LLMEngine:
@@ -48,7 +50,12 @@ class LLMEngine:
             self.client = InprocClient(config)
             self.core = self.client.core  # the EngineCore itself, for tests and debugging
             self.tokenizer, tokenizer_name = self.core.tokenizer, self.core.tokenizer_name
+            model_path = self.core.model_path
         info = self.client.info
+        self.task = info.task  # "generate", or "embed" for an encoder
+        # An embedding model's pooling, for what the front end does per request (normalize).
+        self.pooling = PoolingConfig.from_model_dir(model_path, config.pooling, config.normalize) if self.task == "embed" else None
+        self._embeds: dict[str, tuple[str | None, list[int], PoolingParams]] = {}  # embedding requests in flight
         self.info = info
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
@@ -92,6 +99,9 @@ class LLMEngine:
         raises), in one message to the core, so that its next step sees them all (a
         batch's composition, and so its float rounding, does not depend on timing).
         Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
+        if self.task == "embed":
+            raise InvalidRequestError("this model is an embedding model (an encoder): it makes embeddings "
+                                      "(LLM.embed, /v1/embeddings) and generates no text", param="model")
         processed = [
             (request_id, *self.input_processor.process(request_id, prompt, params, self.output_processor, **options))
             for request_id, prompt, params in requests
@@ -113,8 +123,92 @@ class LLMEngine:
             added.append((request_id, mine))
         return added
 
+    def add_embed_requests_nowait(self, requests: list[tuple[str, Any, PoolingParams | None]], *, arrival_time: float | None = None,
+                                  add_special_tokens: bool = True, priority: int = 0):
+        """Queue embedding requests (every one or none: the first bad input raises
+        :class:`InvalidRequestError` naming it) in one message to the core. A text is
+        tokenized with the model's special tokens; ``truncate_prompt_tokens`` keeps its
+        first tokens and the closing special token, as the tokenizer's own truncation
+        does. Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
+        if self.task != "embed":
+            raise InvalidRequestError("this model generates text; embeddings need an embedding model (an encoder such as "
+                                      "BERT or all-MiniLM-L6-v2)", param="model")
+        arrival = time.time() if arrival_time is None else arrival_time
+        prepared = []
+        for request_id, prompt, params in requests:
+            params = params or PoolingParams()
+            params.check(self.info.hidden_size, self.info.matryoshka, self.max_model_len)
+            text, ids = self.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
+            limit = params.truncate_prompt_tokens
+            if limit is not None:
+                ids = self._truncated(ids, self.max_model_len if limit == -1 else limit, text is not None)
+            if len(ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the input has {len(ids)} tokens; this model reads at most {self.max_model_len} "
+                    "(truncate_prompt_tokens keeps the first ones)", param="input")
+            prepared.append((request_id, text, ids, params))
+        adds = []
+        for request_id, text, ids, params in prepared:
+            self._embeds[request_id] = (text, ids, params)
+            adds.append(AddRequest(request_id, ids, CoreSamplingParams(priority=priority), arrival, embed=True))
+        try:
+            futures = self.client.add_requests(adds)
+        except BaseException:
+            for request_id, *_ in prepared:
+                self.abort_request(request_id)
+            raise
+        for (request_id, *_), future in zip(prepared, futures):
+            future.add_done_callback(lambda done, rid=request_id: self._refused(rid, done))
+        return [(request_id, [future]) for (request_id, *_), future in zip(prepared, futures)]
+
+    def _truncated(self, ids: list[int], limit: int, tokenized_here: bool) -> list[int]:
+        if len(ids) <= limit:
+            return ids
+        special = getattr(self.tokenizer, "special_token_ids", frozenset()) or frozenset()
+        if tokenized_here and limit > 1 and ids[-1] in special:
+            return ids[: limit - 1] + ids[-1:]  # [CLS] first tokens [SEP]
+        return ids[:limit]
+
+    def _embedding(self, out: CoreOutput) -> EmbeddingRequestOutput:
+        text, ids, params = self._embeds.pop(out.request_id)
+        if out.embedding is None:
+            kind = "invalid_request" if out.error is not None and out.error.code == ErrorCode.INVALID_REQUEST else "internal"
+            message = out.error.message if out.error is not None else f"the request ended ({out.finish_reason})"
+            return EmbeddingRequestOutput(out.request_id, text, ids, None, True, message, kind)
+        import torch
+
+        vector = out.embedding.to_tensor().to(torch.float32)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        if self.pooling.normalize if params.normalize is None else params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        return EmbeddingRequestOutput(out.request_id, text, ids, EmbeddingOutput(vector.tolist()))
+
+    def process_outputs(self, core_outputs: CoreOutputs) -> tuple[list, list[str]]:
+        """One core step's outputs (embeddings made here, the rest by the output
+        processor), and the requests to abort in the core."""
+        if not self._embeds:
+            return self.output_processor.process(core_outputs)
+        mine = [out for out in core_outputs.outputs if out.request_id in self._embeds]
+        rest = CoreOutputs([out for out in core_outputs.outputs if out.request_id not in self._embeds], core_outputs.timestamp)
+        outputs, aborts = self.output_processor.process(rest)
+        return outputs + [self._embedding(out) for out in mine], aborts
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self.output_processor.requests or request_id in self._embeds
+
     def _refused(self, request_id: str, done: concurrent.futures.Future) -> None:
         error = done.exception()
+        if error is not None and request_id in self._embeds:  # the core refused an embedding
+            failed = CoreOutput(request_id, finish_reason="error")
+            with self._failed_lock:
+                if request_id in self._embeds:
+                    output = self._embedding(failed)
+                    output.error = str(error)
+                    output.error_kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
+                    self._failed.append(output)
+            self.client.wake()
+            return
         if error is not None:
             kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
             with self._failed_lock:  # against wait_added, which tells the caller instead
@@ -148,12 +242,15 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (or None
         if it is unknown or already done)."""
+        if self._embeds.pop(request_id, None) is not None:
+            self.client.abort_requests([request_id])
+            return None
         output, child_ids = self.output_processor.abort(request_id, time.time())
         self.client.abort_requests(child_ids)
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests)
+        return bool(self.output_processor.requests or self._embeds)
 
     # ------------------------------------------------------------------ stepping
 
@@ -166,7 +263,7 @@ class LLMEngine:
         core_outputs = self.client.get_outputs(timeout)
         if core_outputs is None:
             return self._take_failed()
-        outputs, aborts = self.output_processor.process(core_outputs)
+        outputs, aborts = self.process_outputs(core_outputs)
         self.client.abort_requests(aborts)
         return self._take_failed() + outputs
 
@@ -179,7 +276,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        return {**self.client.stats(), "num_unfinished_requests": len(self.output_processor.requests)}
+        return {**self.client.stats(), "num_unfinished_requests": len(self.output_processor.requests) + len(self._embeds)}
 
     def close(self) -> None:
         """Finish queued KV saves and release the connector (when there is one); stop

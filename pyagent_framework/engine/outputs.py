@@ -83,3 +83,22 @@ class RequestOutput:
     # its time budget) or "internal" (a plugin or the engine; other requests go on).
     error: str | None = field(default=None)
     error_kind: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding (``outputs.embedding``), or, with ``error`` set, why it
+    failed (``error_kind`` as :class:`RequestOutput`'s)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool = True
+    error: str | None = None
+    error_kind: str | None = None

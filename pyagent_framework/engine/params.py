@@ -340,3 +340,36 @@ def _token_id(name: str, token: Any, vocab_size: int | None) -> None:
         raise InvalidRequestError(f"{name}: token ids must be integers, got {token!r}", param=name)
     if token < 0 or (vocab_size is not None and token >= vocab_size):
         raise InvalidRequestError(f"{name}: token id {token} is outside the vocabulary (0..{(vocab_size or 0) - 1})", param=name)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How to make one embedding (vLLM's names).
+
+    ``truncate_prompt_tokens``: keep only the last k tokens of a longer input (-1: as
+    many as the model reads) rather than refusing it; ``normalize``: unit length (None:
+    as the model's files say); ``dimensions``: the first k of them, for a model trained
+    to allow it (Matryoshka), normalized again if normalized at all.
+    """
+
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def check(self, hidden_size: int, matryoshka: bool, max_model_len: int) -> None:
+        for key in ("truncate_prompt_tokens", "dimensions"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidRequestError(f"{key} must be an integer, got {value!r}", param=key)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"normalize must be true or false, got {self.normalize!r}", param="normalize")
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and not 1 <= k <= max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or 1..{max_model_len}, got {k}",
+                                      param="truncate_prompt_tokens")
+        if self.dimensions is not None:
+            if not matryoshka:
+                raise InvalidRequestError("dimensions: this model's embeddings cannot be cut to fewer dimensions (it "
+                                          "declares no matryoshka_dimensions)", param="dimensions")
+            if not 1 <= self.dimensions <= hidden_size:
+                raise InvalidRequestError(f"dimensions must be 1..{hidden_size}, got {self.dimensions}", param="dimensions")

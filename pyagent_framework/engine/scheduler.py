@@ -8,6 +8,10 @@ after the longest prefix the block pool has cached for them (then, with a KV
 connector, the blocks after it that the connector holds are loaded). When
 blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
 are freed and it waits to be recomputed from scratch (prompt plus what it generated).
+
+With ``whole_prompts`` (an encoder, whose sequences attend to all of themselves and
+keep no KV cache) a prompt is never split: a waiting sequence joins only if all of it
+fits what is left of the budget, or alone.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Scheduler:
         speculator=None,
         grammar=None,
         max_model_len: int | None = None,
+        whole_prompts: bool = False,
     ) -> None:
         self.pool = pool
         self.grammar = grammar  # GrammarGate: sequences wait in it until their grammar compiles
@@ -61,6 +66,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.whole_prompts = whole_prompts
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -127,6 +133,10 @@ class Scheduler:
                 if self.kv_transfer is not None:
                     self.kv_transfer.load_prefix(seq, self.pool)  # then those a KV connector holds
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if self.whole_prompts and num_new < seq.num_tokens - seq.num_computed_tokens:
+                    if batch.items:
+                        break  # the next step, first
+                    num_new = seq.num_tokens - seq.num_computed_tokens
                 if not self.pool.allocate(seq, seq.num_computed_tokens + num_new):
                     self.pool.free(seq)  # give shared prefix blocks back; retry next step
                     seq.num_computed_tokens = 0

@@ -243,6 +243,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Gua
     async def completions(body: api.CompletionRequest, request: Request):
         return await until_disconnected(request, respond(serving.completion(body)))
 
+    @app.post("/v1/embeddings", response_model=api.EmbeddingResponse)
+    async def embeddings(body: api.EmbeddingRequest, request: Request):
+        return await until_disconnected(request, respond(serving.embeddings(body)))
+
     @app.post("/tokenize", response_model=api.TokenizeResponse)
     async def tokenize(body: api.TokenizeRequest):
         return await serving.tokenize(body)

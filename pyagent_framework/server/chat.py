@@ -62,6 +62,7 @@ class ChatMixin:
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
+        self.check_generates()
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         mode, schema = self._tool_mode(req)

@@ -21,6 +21,7 @@ class CompletionsMixin:
 
     async def completion(self, req: api.CompletionRequest) -> api.CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
+        self.check_generates()
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:

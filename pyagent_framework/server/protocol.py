@@ -10,7 +10,7 @@ request is turned into :class:`SamplingParams` (a bad value is a 400 naming the 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -50,11 +50,16 @@ class RequestBody(OpenAIModel):
     carry a lone surrogate such as "\\ud800", which no tokenizer can encode), and no
     vLLM field this server does not implement may be set. Both are 400s naming where."""
 
+    #: Fields of UNSUPPORTED_FIELDS that this body does implement.
+    implemented: ClassVar[frozenset[str]] = frozenset()
+
     @model_validator(mode="before")
     @classmethod
     def _check_body(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, unused in UNSUPPORTED_FIELDS.items():
+                if name in cls.implemented:
+                    continue
                 value = data.get(name, unused)
                 if value != unused and value not in (None, [], {}):
                     raise PydanticCustomError(
@@ -422,3 +427,46 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+
+
+# ---------------------------------------------------------------------- embeddings
+
+#: Most inputs in one embeddings request (OpenAI's own limit).
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's ``/v1/embeddings`` body, with vLLM's ``truncate_prompt_tokens``,
+    ``normalize`` and ``add_special_tokens``."""
+
+    implemented: ClassVar[frozenset[str]] = frozenset({"truncate_prompt_tokens"})
+
+    input: Union[str, list[str], list[int], list[list[int]]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # base64: little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

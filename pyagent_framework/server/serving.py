@@ -7,7 +7,7 @@ Nothing here knows about HTTP beyond :class:`APIError`; the FastAPI app
 :class:`OpenAIServing` holds what every endpoint shares (the engine, the model check,
 prompt rendering, starting a request) and the token and model endpoints; the rest
 is composed in from :mod:`.chat`, :mod:`.completions`, :mod:`.sampling` and
-:mod:`.logprobs`, with the shared streaming helpers in :mod:`.streaming`.
+:mod:`.logprobs` and :mod:`.embeddings`, with the shared streaming helpers in :mod:`.streaming`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pyagent_framework.engine.params import SamplingParams
 from pyagent_framework.server import load_parsers, protocol as api
 from pyagent_framework.server.chat import ChatMixin
 from pyagent_framework.server.completions import CompletionsMixin
+from pyagent_framework.server.embeddings import EmbeddingsMixin
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.logprobs import LogprobsMixin
@@ -38,7 +39,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class OpenAIServing(ChatMixin, CompletionsMixin, SamplingMixin, LogprobsMixin):
+class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin, LogprobsMixin):
     """The OpenAI endpoints over one engine and model."""
 
     def __init__(
@@ -71,6 +72,11 @@ class OpenAIServing(ChatMixin, CompletionsMixin, SamplingMixin, LogprobsMixin):
             raise APIError(
                 404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model", code="model_not_found"
             )
+
+    def check_generates(self) -> None:
+        if self.engine.engine.task == "embed":
+            raise APIError(400, f"the model {self.model_name!r} is an embedding model: it serves /v1/embeddings and "
+                                "generates no text", param="model")
 
     async def _start(
         self,

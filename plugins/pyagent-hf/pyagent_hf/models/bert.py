@@ -6,9 +6,8 @@ Module and parameter names follow transformers' ``BertModel``, so a checkpoint's
 tensors load by name (a ``bert.``/``roberta.`` prefix, old ``gamma``/``beta`` names and
 the unused ``pooler``/masked-LM head are handled in :meth:`BertModel.load_weights`).
 The batch is flattened as the decoders' is: the linears and norms run on the
-``[num_tokens, hidden]`` rows, and only attention lays the sequences out padded, once
-per layer, with padded keys masked, so a batch of mixed lengths costs its tokens
-rather than ``num_seqs * longest``.
+``[num_tokens, hidden]`` rows, and attention takes each sequence's rows as they lie
+(:class:`Layout`), so nothing is padded.
 
 RoBERTa differs in two ways: positions start after the padding id
 (``pad_token_id + 1``), and there is one token type.
@@ -43,32 +42,17 @@ UNUSED_SUFFIXES = ("position_ids", "token_type_ids")
 
 
 class Layout:
-    """Where each flat token sits in a ``[num_seqs, longest]`` padded layout, built
-    once per forward from the sequences' lengths and shared by every layer."""
+    """The sequences of one forward: where each starts and ends among the flat rows.
+    Sequences of one length attend as one batch; otherwise each attends on its own
+    (no padding: a batch of mixed lengths costs the sum of their squares, not
+    ``num_seqs * longest**2``, and no rows are gathered into a padded copy)."""
 
     def __init__(self, query_start_loc: torch.Tensor) -> None:
-        starts = query_start_loc.to(torch.long)
-        lens = starts[1:] - starts[:-1]
-        self.num_seqs = int(lens.numel())
-        self.longest = int(lens.max()) if self.num_seqs else 0
-        self.same_length = self.num_seqs <= 1 or bool((lens == self.longest).all())
-        if not self.same_length:
-            offsets = torch.arange(self.longest, device=starts.device)
-            self.valid = offsets[None, :] < lens[:, None]  # [num_seqs, longest]
-            # padded position -> flat row (padding points at row 0, then masked)
-            self.index = torch.where(self.valid, starts[:-1, None] + offsets[None, :], 0)
-            self.mask = self.valid[:, None, None, :]  # keys a query may attend to
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``[num_tokens, ...]`` -> ``[num_seqs, longest, ...]``."""
-        if self.same_length:
-            return x.reshape(self.num_seqs, self.longest, *x.shape[1:])
-        return x[self.index]
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        if self.same_length:
-            return x.reshape(-1, *x.shape[2:])
-        return x[self.valid]
+        starts = query_start_loc.to(torch.long).tolist()
+        self.spans = list(zip(starts[:-1], starts[1:]))
+        lengths = {end - start for start, end in self.spans}
+        self.same_length = len(lengths) <= 1
+        self.longest = max(lengths) if lengths else 0
 
 
 class BertEmbeddings(nn.Module):
@@ -99,13 +83,22 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-        def heads(t: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [seqs, heads, longest, head_size]
-            return layout.pad(t.view(-1, self.num_heads, self.head_size)).transpose(1, 2)
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scale = 1.0 / math.sqrt(self.head_size)
+        if layout.same_length:
+            def heads(t: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [seqs, heads, length, head_size]
+                return t.view(len(layout.spans), layout.longest, self.num_heads, self.head_size).transpose(1, 2)
 
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        mask = None if layout.same_length else layout.mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_size))
-        return layout.unpad(out.transpose(1, 2)).reshape(x.shape[0], -1)
+            out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale)
+            return out.transpose(1, 2).reshape(x.shape[0], -1)
+        out = torch.empty_like(q)
+        for start, end in layout.spans:
+            def heads(t: torch.Tensor) -> torch.Tensor:  # [length, hidden] -> [1, heads, length, head_size]
+                return t[start:end].view(1, end - start, self.num_heads, self.head_size).transpose(1, 2)
+
+            attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale)
+            out[start:end] = attended[0].transpose(0, 1).reshape(end - start, -1)
+        return out
 
 
 class BertDenseNorm(nn.Module):

@@ -1,0 +1,216 @@
+"""The engine core of an encoder (an :class:`~pyagent_framework.interfaces.EncoderArchitecture`):
+embeddings, one pooled vector per prompt, and nothing generated.
+
+It speaks the same messages as :class:`~pyagent_framework.engine.core.EngineCore`
+and runs in the same places (this process, a process of its own, a data-parallel
+replica). Its sequences go through the same :class:`~.scheduler.Scheduler`, with
+``whole_prompts`` (an encoder's sequence attends to all of itself, so a prompt is
+never split) and a block pool that holds nothing (there is no KV cache): each step
+batches as many waiting prompts as ``max_num_batched_tokens`` and ``max_num_seqs``
+allow, runs the encoder once over them, pools each prompt's states (as the model's
+files say: :mod:`.pooling`) and finishes them. Normalizing and cutting to fewer
+dimensions are the front end's, per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from pyagent_framework import registries
+from pyagent_framework.engine import loader, setup
+from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.faults import ModelForwardError
+from pyagent_framework.engine.pooling import PoolingConfig, pool
+from pyagent_framework.engine.scheduler import Scheduler
+from pyagent_framework.engine.sequence import Sequence
+from pyagent_framework.interfaces import EncoderArchitecture
+from pyagent_framework.messages import AddRequest, CoreError, CoreInfo, CoreOutput, CoreOutputs, ErrorCode, TensorBuffer
+
+logger = logging.getLogger("pyagent_framework.engine")
+
+
+def is_encoder(model_config: dict) -> bool:
+    """Whether the config's architecture is a registered encoder."""
+    for name in model_config.get("architectures") or []:
+        if name in registries.model_architectures:
+            return issubclass(loader.load_entry(registries.model_architectures, name, "model"), EncoderArchitecture)
+    return False
+
+
+class NullPool:
+    """The block pool of a model without a KV cache: every allocation succeeds and
+    nothing is cached."""
+
+    num_blocks = 0
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        pass
+
+    def match_prefix(self, seq: Sequence) -> None:
+        pass
+
+
+class PoolingCore:
+    task = "embed"
+
+    def __init__(self, config: EngineConfig, model_path: str, weight_format: Any, model_config: dict) -> None:
+        self.config = config
+        if config.tensor_parallel_size > 1:
+            raise ConfigError("an embedding model runs on one rank; drop tensor_parallel_size", field="tensor_parallel_size")
+        if config.speculative_method or config.speculative_model:
+            raise ConfigError("an embedding model generates nothing to speculate on; drop the speculative options",
+                              field="speculative_method")
+        if config.kv_connector:
+            raise ConfigError("an embedding model keeps no KV cache for a connector to move; drop kv_connector", field="kv_connector")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = loader.choose_device(config.device)
+        self.model_path, self.model_config = model_path, model_config
+        self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, model_path)
+        self.attention_backend = "encoder"  # the encoder's own bidirectional attention
+        self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format, self.device)
+        self.model = loader.build_model(
+            model_path, model_config, weight_format=weight_format, attention_backend=config.attention_backend,
+            quantization=self.quantization, quantization_config=config.quantization_config, dtype=config.dtype,
+            device=self.device,
+        )
+        self.pooling = PoolingConfig.from_model_dir(model_path, config.pooling, config.normalize)
+        limits = [setup.max_model_len(config, model_config), int(self.model.max_positions)]
+        if config.max_model_len is None and self.pooling.max_seq_length:
+            limits.append(self.pooling.max_seq_length)  # sentence-transformers' own limit
+        self.max_model_len = min(limits)
+        if config.max_model_len is not None and config.max_model_len > self.model.max_positions:
+            raise ConfigError(f"max_model_len {config.max_model_len} is over the model's {self.model.max_positions} positions",
+                              field="max_model_len")
+        self.hidden_size = int(model_config.get("hidden_size") or self.model.hidden_size)
+        self.matryoshka = bool(model_config.get("is_matryoshka") or model_config.get("matryoshka_dimensions"))
+        # A prompt is never split, so the budget holds at least the longest one.
+        self.scheduler = Scheduler(
+            NullPool(), max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, self.max_model_len),
+            max_model_len=self.max_model_len, whole_prompts=True,
+        )
+        self.requests: dict[str, Sequence] = {}
+        self.num_embedded = 0
+        self.num_request_errors = 0
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            vocab_size=int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size),
+            max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
+            quantization=self.quantization,
+            device=str(self.device),
+            num_kv_blocks=0,
+            block_size=self.config.block_size,
+            pid=os.getpid(),
+            task=self.task,
+            hidden_size=self.hidden_size,
+            matryoshka=self.matryoshka,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: AddRequest) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        if not request.embed:
+            raise InvalidRequestError("this model is an embedding model (an encoder): it makes embeddings "
+                                      "(LLM.embed, /v1/embeddings) and generates no text", param="model")
+        if request.grammar is not None:
+            raise InvalidRequestError("an embedding request takes no structured output", param="structured_outputs")
+        ids = list(request.prompt_token_ids)
+        if not ids or len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"the input has {len(ids)} tokens; this model reads 1 to {self.max_model_len}",
+                                      param="input")
+        seq = Sequence(request.request_id, ids, len(ids), request.params, request.arrival_time, self.max_model_len, None)
+        self.scheduler.add(seq)
+        self.requests[request.request_id] = seq
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            seq = self.requests.pop(request_id, None)
+            if seq is not None:
+                self.scheduler.remove(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> CoreOutputs:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return CoreOutputs([], time.time())
+        seqs = [seq for seq, _ in batch.items]
+        try:
+            vectors = self.embed([seq.token_ids[: seq.num_prompt_tokens] for seq in seqs])
+        except Exception as exc:
+            raise ModelForwardError(f"the model forward failed: {type(exc).__name__}: {exc}") from exc
+        outputs = []
+        for seq, vector in zip(seqs, vectors):
+            self.scheduler.remove(seq)
+            del self.requests[seq.request_id]
+            bad = not bool(torch.isfinite(vector).all())
+            if bad:  # a model that overflows fails the request, not the engine
+                self.num_request_errors += 1
+            outputs.append(CoreOutput(
+                seq.request_id, finish_reason="error" if bad else "stop",
+                error=CoreError(ErrorCode.INTERNAL, "the embedding is not finite (the model overflowed)") if bad else None,
+                first_scheduled_time=seq.first_scheduled_time,
+                embedding=None if bad else TensorBuffer.from_tensor(vector),
+            ))
+        self.num_embedded += len(seqs)
+        return CoreOutputs(outputs, time.time())
+
+    def embed(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The pooled (not normalized) float32 vectors of these token-id prompts."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(self.device)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, starts)
+            unit = PoolingConfig(self.pooling.mode, False)
+            return pool(hidden, starts, unit).cpu()
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "attention_backend": self.attention_backend,
+            "quantization": self.quantization,
+            "num_running": 0,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks": 0,
+            "num_free_kv_blocks": 0,
+            "kv_cache_usage": 0.0,
+            "num_preemptions": 0,
+            "num_request_errors": self.num_request_errors,
+            "num_embedded": self.num_embedded,
+        }
+
+    def close(self) -> None:
+        pass
+
+
+def make_core(config: EngineConfig):
+    """The engine core for ``config``'s model: :class:`PoolingCore` for an encoder,
+    else :class:`~.core.EngineCore`."""
+    model_path = loader.resolve_model(config.model, config.gguf_file)
+    weight_format = loader.choose_weight_format(model_path, config.weight_format)
+    model_config = weight_format.load_config(model_path)
+    if is_encoder(model_config):
+        return PoolingCore(config, model_path, weight_format, model_config)
+    from pyagent_framework.engine.core import EngineCore
+
+    return EngineCore(config)
