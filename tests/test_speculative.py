@@ -6,11 +6,13 @@ decode as before in the same batch."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
 from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine.errors import ConfigError
+from pyagent_framework.server.metrics import ServerMetrics
 from tests import plugin_dist
 from tests.fake_plugins import RandomProposer
 from tests.tiny_models import tiny_checkpoint
@@ -43,6 +45,16 @@ def _engine(path, **kwargs):
     return LLM(path, **args)
 
 
+def _metric_values(text: str) -> dict[str, float]:
+    """``pyagent:NAME{labels} value`` lines by NAME and the labels other than the
+    model's and the replica's."""
+    values = {}
+    for match in re.finditer(r'^pyagent:(\w+)(?:\{([^}]*)\})? (\S+)$', text, re.MULTILINE):
+        labels = [part for part in (match.group(2) or "").split(",") if part and not part.startswith(("model_name=", "replica="))]
+        values[match.group(1) + (f"{{{','.join(labels)}}}" if labels else "")] = float(match.group(3))
+    return values
+
+
 def _greedy(llm, prompts, max_tokens=MAX_NEW, **params):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
     return [o.outputs[0].token_ids for o in outs]
@@ -73,6 +85,17 @@ def test_greedy_outputs_are_the_engines_own_whatever_the_draft(path, plain, wron
         assert stats["spec_accepted_tokens"] == 0
     else:  # every third draft token is wrong: positions 0 and 1 kept, 2 never
         assert stats["spec_acceptance_by_position"][:3] == [1.0, 1.0, 0.0]
+    # /metrics carries the same counts (vLLM's spec_decode counters) and the step times.
+    metrics = _metric_values(ServerMetrics(llm.engine.stats, "m").render().decode())
+    assert metrics["spec_decode_num_draft_tokens_total"] == stats["spec_drafted_tokens"]
+    assert metrics["spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"]
+    assert metrics["spec_decode_num_drafts_total"] == stats["spec_num_drafts"] > 0
+    per_position = [metrics[f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(4)]
+    assert sum(per_position) == stats["spec_accepted_tokens"]
+    if wrong_every == 3:
+        assert per_position[0] > 0 and per_position[1] > 0 and per_position[2] == per_position[3] == 0
+    assert metrics["engine_step_time_seconds_count"] == stats["step_time_count"] > 0
+    assert metrics['engine_step_time_seconds_bucket{le="+Inf"}'] == stats["step_time_count"]
     assert len(llm.engine.core.speculator.proposer.finished) == len(prompts)
     assert llm.engine.core.pool.num_used_blocks == 0  # every block back (cached or free)
 

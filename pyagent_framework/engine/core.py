@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -129,6 +130,7 @@ class EngineCore:
         self.updater = RequestUpdater(self)
         self.requests: dict[str, Sequence] = {}
         self._batch: ScheduledBatch | None = None  # the step under way, once scheduled
+        self.step_times = StepTimes()  # of steps that ran the model
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -197,7 +199,9 @@ class EngineCore:
             return self._idle(batch)
         logits = self.execute(batch)  # the model forward
         sampled = self.step_sampler.sample(batch, logits)  # masks, sampling, draft verification
-        return self.updater.update(batch, sampled)  # tokens appended, stops, deltas
+        outputs = self.updater.update(batch, sampled)  # tokens appended, stops, deltas
+        self.step_times.observe(time.perf_counter() - batch.started)
+        return outputs
 
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         try:
@@ -240,6 +244,7 @@ class EngineCore:
             **self.grammar.stats(),
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.step_times.stats(),
         }
 
     def close(self) -> None:
@@ -250,3 +255,25 @@ class EngineCore:
             self.kv_transfer.close()
         if self.workers is not None:
             self.workers.close()
+
+
+class StepTimes:
+    """A histogram of engine step durations (seconds), as cumulative bucket counts."""
+
+    BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BUCKETS)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(self.BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.total += seconds
+        self.count += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"step_time_buckets": [[b, c] for b, c in zip(self.BUCKETS, self.counts)],
+                "step_time_sum": self.total, "step_time_count": self.count}

@@ -24,6 +24,7 @@ import torch
 from pyagent_framework import registries
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.engine.core import StepTimes
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.pooling import PoolingConfig, pool
@@ -102,6 +103,7 @@ class PoolingCore:
         self.requests: dict[str, Sequence] = {}
         self.num_embedded = 0
         self.num_request_errors = 0
+        self.step_times = StepTimes()
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -170,6 +172,7 @@ class PoolingCore:
                 embedding=None if bad else TensorBuffer.from_tensor(vector),
             ))
         self.num_embedded += len(seqs)
+        self.step_times.observe(time.perf_counter() - batch.started)
         return CoreOutputs(outputs, time.time())
 
     def embed(self, prompts: list[list[int]]) -> torch.Tensor:
@@ -197,6 +200,7 @@ class PoolingCore:
             "num_preemptions": 0,
             "num_request_errors": self.num_request_errors,
             "num_embedded": self.num_embedded,
+            **self.step_times.stats(),
         }
 
     def close(self) -> None:
@@ -206,11 +210,11 @@ class PoolingCore:
 def make_core(config: EngineConfig):
     """The engine core for ``config``'s model: :class:`PoolingCore` for an encoder,
     else :class:`~.core.EngineCore`."""
+    from pyagent_framework.engine.core import EngineCore
+
     model_path = loader.resolve_model(config.model, config.gguf_file)
     weight_format = loader.choose_weight_format(model_path, config.weight_format)
     model_config = weight_format.load_config(model_path)
     if is_encoder(model_config):
         return PoolingCore(config, model_path, weight_format, model_config)
-    from pyagent_framework.engine.core import EngineCore
-
     return EngineCore(config)

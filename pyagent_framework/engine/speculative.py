@@ -303,5 +303,9 @@ class SpeculativeDecoder:
             "spec_acceptance_by_position": [
                 a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)
             ],
+            # counts, for /metrics
+            "spec_num_drafts": steps,
+            "spec_drafted_at": list(self.drafted_at),
+            "spec_accepted_at": list(self.accepted_at),
         }
 

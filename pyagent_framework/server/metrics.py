@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pyagent_framework.engine.outputs import RequestOutput
 
@@ -149,6 +149,8 @@ class _EngineCollector:
             for replica in replicas:
                 family.add_metric([self.model_name, str(replica["replica"])], float(replica.get(key, 0)))
             yield family
+        yield from self._speculative(replicas, labels)
+        yield from self._step_times(replicas, labels)
         if "replicas" in stats:  # data parallelism: which replicas serve, and their balancer load
             up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the data-parallel replica serves", labels=labels)
             load = GaugeMetricFamily(
@@ -162,6 +164,46 @@ class _EngineCollector:
             restarts = CounterMetricFamily(PREFIX + "replica_restarts", "Data-parallel replicas started again after dying", labels=["model_name"])
             restarts.add_metric([self.model_name], float(stats.get("data_parallel_restarts", 0)))
             yield restarts
+        yield from self._connector(stats)
+
+    def _speculative(self, replicas: list[dict], labels: list[str]):
+        """With --speculative-method: drafts, drafted and accepted tokens, and accepted
+        tokens by draft position (vLLM's spec_decode counters)."""
+        speculating = [r for r in replicas if "spec_drafted_tokens" in r]
+        if not speculating:
+            return
+        for name, key, doc in (
+            ("spec_decode_num_drafts", "spec_num_drafts", "Sequence steps that carried a draft"),
+            ("spec_decode_num_draft_tokens", "spec_drafted_tokens", "Draft tokens proposed"),
+            ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
+        ):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for replica in speculating:
+                family.add_metric([self.model_name, str(replica["replica"])], float(replica.get(key, 0)))
+            yield family
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position (0 first)",
+            labels=[*labels, "position"],
+        )
+        for replica in speculating:
+            for position, count in enumerate(replica.get("spec_accepted_at") or []):
+                family.add_metric([self.model_name, str(replica["replica"]), str(position)], float(count))
+        yield family
+
+    def _step_times(self, replicas: list[dict], labels: list[str]):
+        """How long the engine's steps that ran the model took."""
+        family = HistogramMetricFamily(PREFIX + "engine_step_time_seconds", "Duration of engine steps that ran the model",
+                                       labels=labels)
+        for replica in replicas:
+            pairs = replica.get("step_time_buckets")
+            if pairs is None:
+                continue
+            count = int(replica.get("step_time_count", 0))
+            buckets = [(repr(float(bound)), float(n)) for bound, n in pairs] + [("+Inf", float(count))]
+            family.add_metric([self.model_name, str(replica["replica"])], buckets, float(replica.get("step_time_sum", 0.0)))
+        yield family
+
+    def _connector(self, stats: dict):
         events = {
             key.removeprefix("kv_connector_"): value
             for key, value in stats.items()
