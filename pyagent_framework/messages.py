@@ -62,6 +62,8 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     priority: int = 0
     speculative: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # each word's ids (and with a leading space)
 
     @property
     def greedy(self) -> bool:

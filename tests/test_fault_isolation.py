@@ -283,9 +283,21 @@ def test_vllm_fields_are_implemented_or_refused(server):
         assert str(token) in entry and all(v["logprob"] <= 0 for v in entry.values()) and len(entry) <= 3
     status, answer = server.post_json("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, "prompt_logprobs": 0})
     assert status == 200 and answer["prompt_logprobs"][0] is None and len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
-    for field, value in (("bad_words", ["Paris"]), ("use_beam_search", True), ("allowed_token_ids", [1, 2])):
+    for field, value in (("use_beam_search", True), ("length_penalty", 0.5)):
         status, answer = server.post_json("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, field: value})
         assert status == 400 and answer["error"]["param"] == field and field in answer["error"]["message"], answer
+    # bad_words and allowed_token_ids are served (tests/test_token_control.py checks them against transformers).
+    body = {"messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    plain = server.post_json("/v1/chat/completions", body)[1]["choices"][0]["message"]["content"]
+    assert "Paris" in plain
+    status, answer = server.post_json("/v1/chat/completions", {**body, "bad_words": ["Paris"]})
+    assert status == 200 and "Paris" not in answer["choices"][0]["message"]["content"]
+    allowed = server.post_json("/tokenize", {"prompt": " Lyon Lyon", "add_special_tokens": False})[1]["tokens"]
+    status, answer = server.post_json("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                                                          "allowed_token_ids": allowed})
+    assert status == 200 and answer["choices"][0]["text"].strip() and set(answer["choices"][0]["text"].split()) <= {"Lyon"}
+    status, answer = server.post_json("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": [10**9]})
+    assert status == 400 and answer["error"]["param"] == "allowed_token_ids"
     status, answer = server.post_json(
         "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4, "temperature": 0, "guided_choice": ["Paris", "Lyon"]}
     )

@@ -125,7 +125,7 @@ class InputProcessor:
             state = outputs.new_state(request_id, text, list(ids), params, now, parsers)
         except ConfigError as exc:  # a parser name no plugin registers
             raise InvalidRequestError(str(exc), param=f"parsers.{exc.field}") from None
-        core_params = core_sampling_params(params)
+        core_params = core_sampling_params(params, self.tokenizer)
         grammar = None
         if params.structured_outputs is not None:
             gate = None
@@ -163,8 +163,26 @@ def _reasoning_over_at_start(parser: Any, request_id: str) -> bool:
         return True
 
 
-def core_sampling_params(params: SamplingParams) -> CoreSamplingParams:
-    """What the core reads of validated parameters (prompt logprobs: the first sample's)."""
+def bad_words_token_ids(tokenizer: Any, words: list[str], vocab_size: int | None = None) -> list[list[int]]:
+    """Each bad word's token ids as it would start the text and, where that is
+    another token sequence of the same length, as it would follow a space (vLLM's
+    reading: a word is barred both at the start and in the middle of text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in out and (ids is plain or (len(ids) == len(plain) and ids[0] != plain[0])):
+                if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
+                    continue
+                out.append(list(ids))
+    return out
+
+
+def core_sampling_params(params: SamplingParams, tokenizer: Any = None) -> CoreSamplingParams:
+    """What the core reads of validated parameters (prompt logprobs: the first sample's);
+    ``tokenizer`` reads ``bad_words``."""
+    bad = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words and tokenizer is not None else None
     return CoreSamplingParams(
         temperature=float(params.temperature),
         top_k=params.top_k,
@@ -183,4 +201,6 @@ def core_sampling_params(params: SamplingParams) -> CoreSamplingParams:
         prompt_logprobs=params.prompt_logprobs,
         priority=params.priority,
         speculative=params.speculative,
+        allowed_token_ids=sorted(set(params.allowed_token_ids)) if params.allowed_token_ids else None,
+        bad_words_token_ids=bad or None,
     )

@@ -18,6 +18,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_GRAMMAR_CHARS = 128 * 1024  # a schema's JSON text, a regex or a grammar
 MAX_CHOICES = 1024
@@ -238,6 +240,8 @@ class SamplingParams:
     priority: int = 0
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
     speculative: bool = True  # False: never draft for this request (with --speculative-method)
+    bad_words: list[str] | None = None  # never generated: their last token is barred after the rest
+    allowed_token_ids: list[int] | None = None  # only these may be generated
     # What each output holds: "cumulative" (everything so far), "delta" (what is new since
     # the previous output: streaming in O(n)) or "final_only" (one output, at the end).
     output_kind: str = "cumulative"
@@ -305,6 +309,23 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _token_id("logit_bias", token, vocab_size)
                 _float("logit_bias", bias, low=-100.0, high=100.0)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise InvalidRequestError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings", param="bad_words")
+            for word in words:
+                if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                    raise InvalidRequestError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} "
+                                              f"characters, got {word!r}"[:300], param="bad_words")
+            self.bad_words = list(words)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids", param="allowed_token_ids")
+            if vocab_size is not None and len(self.allowed_token_ids) > vocab_size:
+                raise InvalidRequestError(f"allowed_token_ids has {len(self.allowed_token_ids)} entries; the vocabulary has "
+                                          f"{vocab_size}", param="allowed_token_ids")
+            for token in self.allowed_token_ids:
+                _token_id("allowed_token_ids", token, vocab_size)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             self.structured_outputs.spec()

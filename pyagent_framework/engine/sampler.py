@@ -1,7 +1,7 @@
 """From logits to tokens: logit processors, penalties, truncation masks, sampling
 and logprobs, for a batch of sequences with different parameters.
 
-Order (as in vLLM): logit_bias and min_tokens masks, repetition / frequency /
+Order (as in vLLM): allowed_token_ids, bad_words, logit_bias and min_tokens masks, repetition / frequency /
 presence penalties, temperature, then top-k, top-p and min-p truncation, then
 sampling. Logprobs are those of the raw model distribution. Each seeded sequence
 draws from its own generator, exactly once per sampled token, so its samples do not
@@ -139,6 +139,14 @@ class Sampler:
     def _process(self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int]) -> torch.Tensor:
         for row, seq in enumerate(seqs):
             params = seq.params
+            if params.allowed_token_ids:
+                kept = logits[row, params.allowed_token_ids]
+                logits[row] = NEG_INF
+                logits[row, params.allowed_token_ids] = kept
+            if params.bad_words_token_ids:
+                barred = barred_tokens(params.bad_words_token_ids, seq.output_token_ids)
+                if barred:
+                    logits[row, barred] = NEG_INF
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
                 logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
@@ -174,10 +182,23 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def barred_tokens(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: a one-token word's always, a
+    longer word's last one when the output ends with the rest of it."""
+    barred = []
+    for word in words:
+        head = word[:-1]
+        if not head or (len(output) >= len(head) and output[len(output) - len(head):] == head):
+            barred.append(word[-1])
+    return barred
+
+
 def _needs_processing(seq: Sequence, constrained: frozenset[int]) -> bool:
     params = seq.params
     return bool(
-        params.logit_bias
+        params.allowed_token_ids
+        or params.bad_words_token_ids
+        or params.logit_bias
         or (seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained)
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0

@@ -121,6 +121,8 @@ class SpeculativeDecoder:
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
             and not params.logit_bias
+            and not params.allowed_token_ids
+            and not params.bad_words_token_ids
             and seq.num_output_tokens >= params.min_tokens
             and seq.seq_id not in held  # a grammar drafts once it constrains
             # A seeded request draws once per token from its own generator (its samples

@@ -29,8 +29,6 @@ MAX_CHECKED_DEPTH = 64
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "bad_words": None,
-    "allowed_token_ids": None,
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "guided_whitespace_pattern": None,
@@ -178,6 +176,8 @@ class SamplingFields(RequestBody):
     guided_decoding_backend: str | None = None
     # vLLM's extra: the top logprobs of every prompt token (not with stream=true)
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
 
 # ---------------------------------------------------------------------- chat

@@ -70,6 +70,8 @@ class SamplingMixin:
             skip_special_tokens=req.skip_special_tokens,
             priority=req.priority,
             speculative=req.speculative,
+            bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids,
             # A stream takes each step's new text only (O(n) in its length); a whole
             # response the cumulative outputs (each step's tokens count in the metrics).
             output_kind="delta" if getattr(req, "stream", False) else "cumulative",
