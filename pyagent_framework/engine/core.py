@@ -118,6 +118,7 @@ class EngineCore:
             speculator=self.speculator,
             grammar=self.grammar,
             max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
         )
         self.workers = None  # ranks 1 and up of a tensor-parallel group
         if tp_size > 1:
@@ -238,6 +239,7 @@ class EngineCore:
             "num_free_kv_blocks": pool.num_free_blocks,
             "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_priority_preemptions": self.scheduler.num_priority_preemptions,
             "num_request_errors": self.updater.num_request_errors,
             "prefix_caching": pool.caching,
             **pool.stats(),

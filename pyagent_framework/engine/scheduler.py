@@ -9,6 +9,12 @@ connector, the blocks after it that the connector holds are loaded). When
 blocks run out, the lowest-priority, newest running sequence is preempted: its blocks
 are freed and it waits to be recomputed from scratch (prompt plus what it generated).
 
+Waiting sequences are ordered by priority (lower first), then arrival. With
+``policy="priority"`` a waiting sequence also takes the place of a running one of
+lower priority when it could not join otherwise (``max_num_seqs`` running, or too few
+free blocks for its first chunk): the lowest-priority, newest running sequence is
+preempted (recomputed later, as above), before this step's batch is formed.
+
 With ``whole_prompts`` (an encoder, whose sequences attend to all of themselves and
 keep no KV cache) a prompt is never split: a waiting sequence joins only if all of it
 fits what is left of the budget, or alone.
@@ -46,6 +52,9 @@ class ScheduledBatch:
         return sum(n for _, n in self.items)
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,6 +67,7 @@ class Scheduler:
         grammar=None,
         max_model_len: int | None = None,
         whole_prompts: bool = False,
+        policy: str = "fcfs",
     ) -> None:
         self.pool = pool
         self.grammar = grammar  # GrammarGate: sequences wait in it until their grammar compiles
@@ -67,6 +77,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.whole_prompts = whole_prompts
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.num_priority_preemptions = 0
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -95,6 +109,8 @@ class Scheduler:
             ready, batch.not_started = self.grammar.ready()
             for seq in ready:
                 self.add(seq)
+        by_priority = self._make_room_by_priority() if self.policy == "priority" else 0
+        batch.num_preempted += by_priority
         if self.speculator is not None:
             held = self.grammar.held() if self.grammar is not None else frozenset()
             batch.failed = self.speculator.draft(self.running, self.max_model_len, held)
@@ -126,7 +142,7 @@ class Scheduler:
             if seq.spec_tokens:
                 self.speculator.cut(seq, 0)
 
-        if batch.num_preempted == 0:
+        if batch.num_preempted == by_priority:  # none for lack of blocks: waiting sequences may join
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 self.pool.match_prefix(seq)  # cached prefix blocks count as computed
@@ -150,6 +166,26 @@ class Scheduler:
                 budget -= num_new
         batch.decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         return batch
+
+    def _make_room_by_priority(self) -> int:
+        """Preempt running sequences of lower priority than the best waiting one while
+        it could not join; returns how many."""
+        count = 0
+        while self.waiting and self.running:
+            candidate = self.waiting[0]
+            victim = max(self.running, key=Sequence.sort_key)
+            if victim.params.priority <= candidate.params.priority:
+                break  # nothing running ranks below it
+            first_chunk = min(candidate.num_tokens, self.max_num_batched_tokens)
+            # the blocks the running sequences take this step come first
+            reserved = sum(self.pool.blocks_needed(seq, seq.num_tokens) for seq in self.running)
+            needed = self.pool.blocks_needed(candidate, first_chunk) + reserved
+            if len(self.running) < self.max_num_seqs and needed <= self.pool.num_free_blocks:
+                break  # it can join as it is
+            self._preempt(victim)
+            count += 1
+        self.num_priority_preemptions += count
+        return count
 
     def _preemption_victim(self, scheduled: set[int]) -> Sequence:
         # Lowest priority first, newest first; never one already in this step's batch
