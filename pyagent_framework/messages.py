@@ -125,6 +125,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     sample_index: int = 0
     grammar: GrammarRequest | None = None
     embed: bool = False  # an embedding: the prompt's pooled hidden states, nothing generated
+    tenant: str | None = None  # whose request, for --scheduling-policy fair
 
 
 class AddRequests(msgspec.Struct, frozen=True, tag=True):

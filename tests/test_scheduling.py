@@ -98,3 +98,39 @@ def test_an_unknown_policy_is_a_config_error(path):
     with pytest.raises(ConfigError) as caught:
         LLM(path, engine_process=False, scheduling_policy="lifo")
     assert caught.value.field == "scheduling_policy"
+
+
+def shares(path, policy: str) -> tuple[float, list[str]]:
+    """Tenant a sends 40 requests, then tenant b 4 (a 10:1 load), 4 running at most.
+    Returns b's share of the tokens generated while both had requests unfinished, and
+    the order b's requests finished in among all."""
+    with LLM(path, engine_process=False, num_kv_blocks=128, max_model_len=128, max_num_seqs=4,
+             scheduling_policy=policy) as llm:
+        engine = llm.engine
+        each = params(0, max_tokens=8).replace(output_kind="delta")  # each output: the step's new tokens
+        for i in range(40):
+            engine.add_request(f"a{i}", PROMPTS["a"], each, tenant="a")
+        for i in range(4):
+            engine.add_request(f"b{i}", PROMPTS["b"], each, tenant="b")
+        tokens = {"a": 0, "b": 0}
+        left = {"a": 40, "b": 4}
+        finished = []
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            both = all(left.values())
+            for out in outputs:
+                tenant = out.request_id[0]
+                if both:
+                    tokens[tenant] += len(out.outputs[0].token_ids)
+                if out.finished:
+                    left[tenant] -= 1
+                    finished.append(out.request_id)
+        return tokens["b"] / sum(tokens.values()), finished
+
+
+def test_fair_shares_tokens_evenly_between_tenants_of_unequal_load(path):
+    fair_b, order = shares(path, "fair")
+    assert 0.4 <= fair_b <= 0.6, fair_b  # within 20% of an even split
+    assert max(order.index(f"b{i}") for i in range(4)) < 12  # b is done early, not after a's 40
+    fcfs_b, order = shares(path, "fcfs")
+    assert fcfs_b < 0.2 and min(order.index(f"b{i}") for i in range(4)) >= 36  # b waits behind all of a

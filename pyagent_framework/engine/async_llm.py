@@ -136,10 +136,11 @@ class AsyncLLM:
         request_id: str | None = None,
         cache_salt: str | None = None,
         parsers: OutputParsers | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Queue a request (raising InvalidRequestError for bad input, a grammar no
         backend compiles included) and return a :class:`RequestStream` of its outputs;
-        closing it early aborts it. ``cache_salt``, ``parsers``: see
+        closing it early aborts it. ``cache_salt``, ``parsers``, ``tenant``: see
         :meth:`InputProcessor.process`."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -151,6 +152,7 @@ class AsyncLLM:
             engine.output_processor,
             cache_salt=cache_salt,
             parsers=parsers,
+            tenant=tenant,
         )
         queue: asyncio.Queue = asyncio.Queue()
         engine.output_processor.add(state)

@@ -160,7 +160,8 @@ class EngineCore:
         if not ids or len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}", param="prompt")
         params = request.params
-        seq = Sequence(request.request_id, ids, len(ids), params, request.arrival_time, self.max_model_len, request.cache_salt)
+        seq = Sequence(request.request_id, ids, len(ids), params, request.arrival_time, self.max_model_len, request.cache_salt,
+                       tenant=request.tenant)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + request.sample_index) % 2**63)
         grammar = None

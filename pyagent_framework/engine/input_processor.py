@@ -96,6 +96,7 @@ class InputProcessor:
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
         parsers: OutputParsers | None = None,
+        tenant: str | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """Validate and tokenize a request; raises :class:`InvalidRequestError` naming
         the bad field. ``parsers`` name the reasoning and tool-call parsers that read
@@ -109,6 +110,9 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", param="cache_salt"
             )
+        if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_CACHE_SALT):
+            raise InvalidRequestError(f"the tenant must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                                      param="user")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if request_id in outputs.requests:
@@ -147,7 +151,8 @@ class InputProcessor:
         # Prompt logprobs are the first sample's: the others need not compute them.
         others = msgspec.structs.replace(core_params, prompt_logprobs=None)
         adds = [
-            AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar)
+            AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar,
+                       tenant=tenant)
             for index in range(params.n)
         ]
         return state, adds

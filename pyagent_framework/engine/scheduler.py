@@ -13,7 +13,11 @@ Waiting sequences are ordered by priority (lower first), then arrival. With
 ``policy="priority"`` a waiting sequence also takes the place of a running one of
 lower priority when it could not join otherwise (``max_num_seqs`` running, or too few
 free blocks for its first chunk): the lowest-priority, newest running sequence is
-preempted (recomputed later, as above), before this step's batch is formed.
+preempted (recomputed later, as above), before this step's batch is formed. With
+``policy="fair"`` waiting sequences join by tenant (``Sequence.tenant``): the next to
+join is the first of the tenant served the fewest tokens so far, and in one step no
+tenant's joining prompts take more than an even split of the budget among the tenants
+waiting. A tenant that was idle starts level with the least-served busy one.
 
 With ``whole_prompts`` (an encoder, whose sequences attend to all of themselves and
 keep no KV cache) a prompt is never split: a waiting sequence joins only if all of it
@@ -52,7 +56,8 @@ class ScheduledBatch:
         return sum(n for _, n in self.items)
 
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
+MAX_TENANTS = 10_000  # fair: tenants whose served tokens are remembered (idle ones forgotten past this)
 
 
 class Scheduler:
@@ -81,11 +86,20 @@ class Scheduler:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
         self.num_priority_preemptions = 0
+        self.served: dict[str | None, int] = {}  # fair: tokens scheduled per tenant
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if self.policy == "fair" and len(self.served) > MAX_TENANTS:  # forget tenants with nothing queued
+            busy = {s.tenant for s in (*self.running, *self.waiting)}
+            self.served = {t: n for t, n in self.served.items() if t in busy}
+        if self.policy == "fair" and not any(s.tenant == seq.tenant for s in (*self.running, *self.waiting)):
+            # A tenant that had nothing queued starts level with the least-served busy
+            # one: time it spent idle is not credit to take the engine with later.
+            busy = [self.served.get(s.tenant, 0) for s in (*self.running, *self.waiting)]
+            self.served[seq.tenant] = max(self.served.get(seq.tenant, 0), min(busy, default=0))
         seq.status = SequenceStatus.WAITING
         keys = [s.sort_key() for s in self.waiting]
         self.waiting.insert(bisect.bisect(keys, seq.sort_key()), seq)
@@ -143,8 +157,11 @@ class Scheduler:
                 self.speculator.cut(seq, 0)
 
         if batch.num_preempted == by_priority:  # none for lack of blocks: waiting sequences may join
+            joined: dict[str | None, int] = {}  # fair: prompt tokens each tenant got this step
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+                seq = self._next_waiting(joined) if self.policy == "fair" else self.waiting[0]
+                if seq is None:
+                    break  # every tenant with work has had its share of this step
                 self.pool.match_prefix(seq)  # cached prefix blocks count as computed
                 if self.kv_transfer is not None:
                     self.kv_transfer.load_prefix(seq, self.pool)  # then those a KV connector holds
@@ -157,15 +174,32 @@ class Scheduler:
                     self.pool.free(seq)  # give shared prefix blocks back; retry next step
                     seq.num_computed_tokens = 0
                     break
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.time()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 batch.items.append((seq, num_new))
                 budget -= num_new
+                joined[seq.tenant] = joined.get(seq.tenant, 0) + num_new
+        if self.policy == "fair":
+            for seq, num_new in batch.items:
+                self.served[seq.tenant] = self.served.get(seq.tenant, 0) + num_new
         batch.decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         return batch
+
+    def _next_waiting(self, joined: dict[str | None, int]) -> Sequence | None:
+        """Fair: the first waiting sequence of the tenant served the fewest tokens, among
+        tenants that have not had their share of this step's budget (the budget split
+        evenly among the tenants with waiting sequences)."""
+        firsts: dict[str | None, Sequence] = {}
+        for seq in self.waiting:  # sorted: each tenant's first is its best
+            firsts.setdefault(seq.tenant, seq)
+        share = self.max_num_batched_tokens // len(firsts)
+        open_ = [seq for tenant, seq in firsts.items() if joined.get(tenant, 0) < share or len(firsts) == 1]
+        if not open_:
+            return None
+        return min(open_, key=lambda seq: (self.served.get(seq.tenant, 0), seq.sort_key()))
 
     def _make_room_by_priority(self) -> int:
         """Preempt running sequences of lower priority than the best waiting one while

@@ -44,6 +44,7 @@ class Sequence:
     stop_reason: int | None = None
     spec_tokens: list[int] = field(default_factory=list)  # this step's draft, appended to token_ids
     spec_probs: Any = None  # the draft's distribution [len(spec_tokens), vocab], or None (one-hot)
+    tenant: str | None = None  # whose request (--scheduling-policy fair)
 
     @property
     def num_tokens(self) -> int:

@@ -82,7 +82,8 @@ class ChatMixin:
         # ask the reasoning parser where the reasoning ends.
         parsers = self._parsers(mode, req.model_dump(exclude_none=True))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._start(prompt_ids, params, req.cache_salt, parsers=parsers, param="tools" if schema else None)
+        stream = await self._start(prompt_ids, params, req.cache_salt, parsers=parsers, param="tools" if schema else None,
+                                   tenant=self.tenant_of(req.user))
         tracker = self.metrics.track(len(prompt_ids), delta=bool(req.stream))
         if req.stream:
             return Events(self._chat_stream(req, request_id, stream, tracker), [stream], [tracker])

@@ -43,7 +43,7 @@ class CompletionsMixin:
         streams = []
         try:
             for ids, params in zip(prompt_ids, param_list):
-                streams.append(await self._start(ids, params, req.cache_salt))
+                streams.append(await self._start(ids, params, req.cache_salt, tenant=self.tenant_of(req.user)))
         except APIError:
             for stream in streams:
                 await stream.aclose()

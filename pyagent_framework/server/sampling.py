@@ -4,6 +4,7 @@ server's caps and the context window, as the engine's :class:`SamplingParams`
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from pyagent_framework.engine.params import SamplingParams
@@ -14,6 +15,14 @@ from pyagent_framework.server.errors import APIError
 class SamplingMixin:
     """:class:`~pyagent_framework.server.serving.OpenAIServing`'s request-to-params
     mapping; uses its ``config``, ``core`` and ``max_model_len``."""
+
+    @staticmethod
+    def tenant_of(user: str | None) -> str | None:
+        """The scheduling tenant of a request (``--scheduling-policy fair``): its
+        OpenAI ``user`` field, hashed when longer than 256 characters."""
+        if not user:
+            return None
+        return user if len(user) <= 256 else "sha256:" + hashlib.sha256(user.encode()).hexdigest()
 
     def sampling_params(
         self, req: api.SamplingFields, *, max_tokens: int | None, prompt_len: int, logprobs: int | None, prompt_param: str

@@ -86,6 +86,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
         *,
         parsers: OutputParsers | None = None,
         param: str | None = None,
+        tenant: str | None = None,
     ):
         """Queue the request; ``param`` names the request field an invalid
         structured-output spec came from, when the server built it."""
@@ -97,6 +98,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
                 request_id=request_id,
                 cache_salt=cache_salt,
                 parsers=parsers,
+                tenant=tenant,
             )
         except InvalidRequestError as exc:
             where = param if param and (exc.param or "").startswith("structured_outputs") else exc.param
