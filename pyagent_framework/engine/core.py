@@ -27,6 +27,7 @@ from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.grammar_gate import GrammarGate
 from pyagent_framework.engine.kv_cache import BlockPool
 from pyagent_framework.engine.model_runner import ModelRunner, StepLogits
+from pyagent_framework.engine.profiling import Profiler
 from pyagent_framework.engine.sampler import Sampler
 from pyagent_framework.engine.scheduler import ScheduledBatch, Scheduler
 from pyagent_framework.engine.sequence import Sequence
@@ -132,6 +133,7 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self._batch: ScheduledBatch | None = None  # the step under way, once scheduled
         self.step_times = StepTimes()  # of steps that ran the model
+        self.profiler = Profiler(self.device)
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -249,6 +251,12 @@ class EngineCore:
             **(self.speculator.stats() if self.speculator is not None else {}),
             **self.step_times.stats(),
         }
+
+    def start_profile(self, directory: str) -> str:
+        return self.profiler.start(directory)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def close(self) -> None:
         """Finish queued KV saves and release the connector (when there is one); stop

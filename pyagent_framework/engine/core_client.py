@@ -50,6 +50,8 @@ class InprocClient:
         self._lock = threading.Lock()  # the core: one step, add or abort at a time
         self._adds: deque[tuple[AddRequest, concurrent.futures.Future]] = deque()
         self._aborts: deque[list[str]] = deque()
+        self._calls: deque[tuple[str, tuple, concurrent.futures.Future]] = deque()  # utility calls for the stepping thread
+        self._stepper: int | None = None  # the thread that steps the core
         self._wake = threading.Event()
         self._last_stats: dict[str, Any] = {}
 
@@ -85,6 +87,7 @@ class InprocClient:
 
     def get_outputs(self, timeout: float | None = None) -> CoreOutputs | None:
         """Run one step (None if there is nothing to run for ``timeout`` seconds)."""
+        self._stepper = threading.get_ident()
         with self._lock:
             self._apply_queued()
             busy = self.core.has_unfinished_requests()
@@ -112,6 +115,20 @@ class InprocClient:
             self._lock.release()
         return dict(self._last_stats)
 
+    def call(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        """One of the core's utility methods (``start_profile``, ...), between steps, on
+        the thread that steps the core (a torch profile records that thread's work):
+        at once when that is this thread or none has stepped yet, else before its next
+        step (it asks for work every half second even when idle, under AsyncLLM)."""
+        stepper = self._stepper
+        if stepper is None or stepper == threading.get_ident():
+            with self._lock:
+                return getattr(self.core, method)(*args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.append((method, args, future))
+        self._wake.set()
+        return future.result(timeout)
+
     def close(self) -> None:
         self.core.close()
 
@@ -127,6 +144,12 @@ class InprocClient:
             grammar.add_done_callback(lambda done: settle(ack, done))
 
     def _apply_queued(self) -> None:
+        while self._calls:
+            method, args, future = self._calls.popleft()
+            try:
+                future.set_result(getattr(self.core, method)(*args))
+            except Exception as exc:
+                future.set_exception(exc)
         while self._adds:
             self._add(*self._adds.popleft())
         while self._aborts:

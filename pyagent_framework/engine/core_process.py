@@ -135,10 +135,15 @@ class CoreServer:
         self.grammar_acks = still
 
     def _call(self, call: UtilityCall) -> None:
-        if call.method == "stats":
-            self.send(UtilityResult(call.call_id, self.core.stats()))
-        else:
+        if call.method not in UTILITY_CALLS:
             self.send(UtilityResult(call.call_id, error=CoreError(ErrorCode.INTERNAL, f"no engine call {call.method!r}")))
+            return
+        try:
+            result = getattr(self.core, call.method)(*call.args)
+        except Exception as exc:
+            self.send(UtilityResult(call.call_id, error=CoreError(ErrorCode.INVALID_REQUEST, str(exc))))
+            return
+        self.send(UtilityResult(call.call_id, result))
 
     def _watch(self) -> None:
         """The watchdog: a step running longer than ``step_timeout`` ends the core."""
@@ -159,6 +164,10 @@ class CoreServer:
             self.send(CoreFailed(CoreError(ErrorCode.ENGINE_DEAD, str(exc)), details))
         except Exception:
             pass
+
+
+#: The core's methods a front end may call between steps (UtilityCall).
+UTILITY_CALLS = frozenset({"stats", "start_profile", "stop_profile"})
 
 
 def _loop_on_own_thread(core) -> bool:

@@ -299,6 +299,12 @@ class DataParallelClient:
                 "data_parallel_load_choices": self.balancer.load_choices,
                 "data_parallel_restarts": sum(self._restarts), "replicas": per_replica}
 
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """A core utility method (``start_profile``, ...) on every live replica; their
+        results in replica order."""
+        return [client.call(method, *args) for index, client in enumerate(list(self.replicas))
+                if client is not None and client.error is None and index in self.balancer.live]
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -278,6 +278,15 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {**self.client.stats(), "num_unfinished_requests": len(self.output_processor.requests) + len(self._embeds)}
 
+    def start_profile(self, directory: str) -> None:
+        """Start a torch profile in each engine core (its process, where the model runs)."""
+        self.client.call("start_profile", directory)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profiles; the trace files written, one per engine core."""
+        paths = self.client.call("stop_profile")
+        return list(paths) if isinstance(paths, list) else [paths]
+
     def close(self) -> None:
         """Finish queued KV saves and release the connector (when there is one); stop
         the grammar compiler processes and, in process mode, the core process."""

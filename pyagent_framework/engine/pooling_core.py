@@ -28,6 +28,7 @@ from pyagent_framework.engine.core import StepTimes
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.pooling import PoolingConfig, pool
+from pyagent_framework.engine.profiling import Profiler
 from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import EncoderArchitecture
@@ -104,6 +105,7 @@ class PoolingCore:
         self.num_embedded = 0
         self.num_request_errors = 0
         self.step_times = StepTimes()
+        self.profiler = Profiler(self.device)
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -202,6 +204,12 @@ class PoolingCore:
             "num_embedded": self.num_embedded,
             **self.step_times.stats(),
         }
+
+    def start_profile(self, directory: str) -> str:
+        return self.profiler.start(directory)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
 
     def close(self) -> None:
         pass

@@ -176,6 +176,20 @@ class ProcessClient:
                 self._calls.pop(call_id, None)
         return dict(self._last_stats)
 
+    def call(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        """One of the core's utility methods (``start_profile``, ...), run between its
+        steps; its error is raised here as InvalidRequestError."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine core stopped: {self.error}")
+        call_id = next(self._call_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls[call_id] = future
+        try:
+            self._send(UtilityCall(call_id, method, list(args)))
+            return future.result(timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
     def close(self) -> None:
         """Stop the core (it finishes queued KV saves first) and wait for it."""
         if self._closed:

@@ -29,6 +29,10 @@ from pyagent_framework.server.streaming import Events, as_api_error
 logger = logging.getLogger("pyagent_framework.server")
 
 
+#: Routes behind the API key besides /v1/*.
+OPERATOR_PATHS = frozenset({"/start_profile", "/stop_profile"})
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param=param, code=code).model_dump(), status_code=status)
 
@@ -118,7 +122,8 @@ class InternalErrors:
 
 
 class Guard:
-    """ASGI middleware in front of the app: the API key on ``/v1/*`` (401), then the
+    """ASGI middleware in front of the app: the API key on ``/v1/*`` and the operator
+    routes (401), then the
     body-size cap (413, by Content-Length, or counted as a chunked body streams in)."""
 
     def __init__(self, app, *, limit: int, api_key: str | None) -> None:
@@ -133,7 +138,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", []))
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and (scope["path"].startswith("/v1") or scope["path"] in OPERATOR_PATHS):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 message = "missing or incorrect API key (send 'Authorization: Bearer KEY')"
@@ -255,7 +260,28 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Gua
     async def detokenize(body: api.DetokenizeRequest):
         return serving.detokenize(body)
 
+    if config.profiler_dir:  # the operator's switch: the routes do not exist otherwise
+
+        @app.post("/start_profile")
+        async def start_profile():
+            await asyncio.to_thread(profile_call, engine.engine.start_profile, config.profiler_dir)
+            return {"status": "started", "directory": config.profiler_dir}
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            return {"status": "stopped", "traces": await asyncio.to_thread(profile_call, engine.engine.stop_profile)}
+
     return Guard(app, limit=config.max_request_bytes, api_key=config.api_key)
+
+
+def profile_call(method, *args):
+    """A profiler call in the engine core; "already running" and "not running" are 409s."""
+    from pyagent_framework.engine.errors import InvalidRequestError
+
+    try:
+        return method(*args)
+    except (InvalidRequestError, RuntimeError) as exc:
+        raise APIError(409, str(exc), code="profile_state") from None
 
 
 async def respond(result) -> Any:
