@@ -91,3 +91,6 @@ def serve(engine_config, config: ServerConfig) -> None:
         if engine.error is not None:
             exit_now()
         engine.shutdown()
+        tracing = app.state.serving.metrics.tracing
+        if tracing is not None:
+            tracing.shutdown()  # the spans still batched go out

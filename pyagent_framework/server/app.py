@@ -25,6 +25,7 @@ from pyagent_framework.server.errors import ERROR_RESPONSES, APIError, error_bod
 from pyagent_framework.server.metrics import ServerMetrics
 from pyagent_framework.server.serving import OpenAIServing
 from pyagent_framework.server.streaming import Events, as_api_error
+from pyagent_framework.server.tracing import REQUEST_HEADERS, Tracing
 
 logger = logging.getLogger("pyagent_framework.server")
 
@@ -179,10 +180,13 @@ class Guard:
         await error_response(413, message, code="request_too_large")(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Guard:
+def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, span_exporter: Any = None) -> Guard:
     """The ASGI app over a running :class:`AsyncLLM`; the caller owns the engine
-    (several apps may share one) and shuts it down."""
+    (several apps may share one) and shuts it down. ``span_exporter``: trace requests
+    to this OpenTelemetry exporter (tests), as ``--otlp-traces-endpoint`` does."""
     metrics = ServerMetrics(engine.stats, model_name)
+    if config.otlp_traces_endpoint or span_exporter is not None:
+        metrics.tracing = Tracing(config.otlp_traces_endpoint, exporter=span_exporter)
     serving = OpenAIServing(engine, config, model_name=model_name, metrics=metrics)
 
     app = FastAPI(title="pyagent-framework", version="1", responses=ERROR_RESPONSES)
@@ -238,6 +242,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Gua
         responses={200: {"content": {"text/event-stream": {}}, "description": "A chat.completion, or chunks when stream=true"}},
     )
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        REQUEST_HEADERS.set(request.headers)
         return await until_disconnected(request, respond(serving.chat(body)))
 
     @app.post(
@@ -246,6 +251,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str) -> Gua
         responses={200: {"content": {"text/event-stream": {}}, "description": "A text_completion, or chunks when stream=true"}},
     )
     async def completions(body: api.CompletionRequest, request: Request):
+        REQUEST_HEADERS.set(request.headers)
         return await until_disconnected(request, respond(serving.completion(body)))
 
     @app.post("/v1/embeddings", response_model=api.EmbeddingResponse)

@@ -44,6 +44,7 @@ class ServerConfig:
     max_logit_bias: int = attrs.field(default=request_limits.MAX_LOGIT_BIAS, validator=_between(0, request_limits.MAX_LOGIT_BIAS), metadata={"help": "most logit_bias entries per request"})
     shutdown_timeout: float = attrs.field(default=30.0, metadata={"help": "seconds SIGTERM waits for running requests before exiting"})
     step_timeout: float = attrs.field(default=60.0, validator=_between(1, 86400), metadata={"help": "seconds one engine step may run before the watchdog declares the engine stalled: /health then answers 503, open requests get an error and the process exits non-zero for its supervisor to restart"})
+    otlp_traces_endpoint: str | None = attrs.field(default=None, metadata={"help": "send an OpenTelemetry trace of each request (queue, prefill, decode spans; the caller's traceparent honoured) to this OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318/v1/traces (pip install 'pyagent-framework[otel]')"})
     profiler_dir: str | None = attrs.field(default=None, metadata={"help": "a directory for torch profiler traces of the engine core: turns on POST /start_profile and /stop_profile (an operator's switch; off by default)"})
     log_level: str = attrs.field(default="info", metadata={"help": "uvicorn log level: critical, error, warning, info, debug"})
 

@@ -7,6 +7,7 @@ waiting requests, KV-cache usage, prefix-cache hit rate) are read from the engin
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -14,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pyagent_framework.engine.outputs import RequestOutput
+from pyagent_framework.server.tracing import REQUEST_HEADERS, Tracing
+
+logger = logging.getLogger("pyagent_framework.server")
 
 PREFIX = "pyagent:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -45,10 +49,16 @@ class ServerMetrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue):
             metric.labels(model_name)  # exported from the start, at zero
         self.registry.register(_EngineCollector(stats, model_name))
+        self.tracing: Tracing | None = None  # set by the app with --otlp-traces-endpoint
 
     def track(self, num_prompt_tokens: int, *, delta: bool = False) -> "RequestTracker":
-        """A tracker for one request; ``delta``: its outputs carry only what is new."""
-        return RequestTracker(self, num_prompt_tokens, delta=delta)
+        """A tracker for one request; ``delta``: its outputs carry only what is new.
+        With tracing on, the request's trace context comes from the HTTP headers being
+        served (:data:`~.tracing.REQUEST_HEADERS`)."""
+        tracker = RequestTracker(self, num_prompt_tokens, delta=delta)
+        if self.tracing is not None:
+            tracker.trace_parent = self.tracing.parent(REQUEST_HEADERS.get())
+        return tracker
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -66,6 +76,7 @@ class RequestTracker:
         self.last_time: float | None = None
         self.num_tokens = 0
         self.closed = False
+        self.trace_parent: Any = None
 
     def update(self, out: RequestOutput) -> None:
         m, label = self.metrics, self.metrics.model_name
@@ -91,6 +102,12 @@ class RequestTracker:
         self.closed = True
         m, label, out = self.metrics, self.metrics.model_name, self.last
         m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+        if m.tracing is not None and out is not None:
+            try:
+                m.tracing.record(self.trace_parent, out, model=label, prompt_tokens=self.num_prompt_tokens,
+                                 output_tokens=self.num_tokens, end=time.time())
+            except Exception:  # tracing never fails a request
+                logger.exception("recording the request's trace failed")
         if out is None or not out.finished:
             m.requests.labels(label, "abort").inc()
             return
