@@ -527,3 +527,15 @@ def test_the_reasoning_parser_may_adjust_every_chat_request(engine):
             assert chat(c, max_tokens=16).json()["usage"]["completion_tokens"] == 3
     finally:
         registries.reasoning_parsers.unregister("short-test")
+
+
+def test_best_of_returns_n_choices_and_cannot_stream(client):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2, "best_of": 4}
+    answer = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    again = client.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in answer["choices"]]  # seeded: the same two
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+    too_many = client.post("/v1/completions", json={**body, "best_of": 17})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "best_of"

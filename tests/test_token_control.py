@@ -110,3 +110,32 @@ def test_bad_token_controls_name_the_field(params, field):
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(**params).validate(500)
     assert caught.value.param == field
+
+
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(setup):
+    """Seeded, sample i draws the same tokens whatever best_of is: the 2 returned of 5
+    are the 2 of highest cumulative logprob among the 5 drawn with n=5, in that order."""
+    llm, _ = setup
+    prompt = "The quick brown fox"
+    sampled = dict(temperature=1.0, seed=11, max_tokens=MAX_NEW)
+    [all_five] = llm.generate(prompt, SamplingParams(n=5, logprobs=0, **sampled))
+    ranked = sorted(all_five.outputs, key=lambda o: (-o.cumulative_logprob, o.index))
+    assert len({tuple(o.token_ids) for o in all_five.outputs}) > 2  # the samples differ
+    [best] = llm.generate(prompt, SamplingParams(n=2, best_of=5, **sampled))
+    assert [o.token_ids for o in best.outputs] == [o.token_ids for o in ranked[:2]]
+    assert [o.index for o in best.outputs] == [0, 1]
+    assert all(o.logprobs is None and o.cumulative_logprob is None for o in best.outputs)  # not asked for
+    [with_logprobs] = llm.generate(prompt, SamplingParams(n=2, best_of=5, logprobs=0, **sampled))
+    assert [o.cumulative_logprob for o in with_logprobs.outputs] == pytest.approx([o.cumulative_logprob for o in ranked[:2]])
+
+
+@pytest.mark.parametrize("params, words", [
+    (dict(n=3, best_of=2, temperature=1.0), "best_of must be >= 3"),
+    (dict(n=1, best_of=3, temperature=0.0), "needs sampling"),
+    (dict(n=1, best_of=3, temperature=1.0, output_kind="delta"), "cannot be streamed"),
+    (dict(n=1, best_of=17, temperature=1.0), "best_of must be <= 16"),
+])
+def test_bad_best_of_names_the_field(params, words):
+    with pytest.raises(InvalidRequestError, match=words) as caught:
+        SamplingParams(**params).validate(500)
+    assert caught.value.param == "best_of"

@@ -153,7 +153,7 @@ class InputProcessor:
         adds = [
             AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar,
                        tenant=tenant)
-            for index in range(params.n)
+            for index in range(params.num_samples)
         ]
         return state, adds
 
@@ -202,7 +202,7 @@ def core_sampling_params(params: SamplingParams, tokenizer: Any = None) -> CoreS
         min_tokens=params.min_tokens,
         stop_token_ids=list(params.stop_token_ids) if params.stop_token_ids else None,
         ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
+        logprobs=0 if params.logprobs is None and params.ranked else params.logprobs,  # best_of ranks by logprob
         prompt_logprobs=params.prompt_logprobs,
         priority=params.priority,
         speculative=params.speculative,

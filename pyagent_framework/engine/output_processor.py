@@ -95,10 +95,10 @@ class OutputProcessor:
     ) -> RequestState:
         samples = [
             SampleState(index, IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens))
-            for index in range(params.n)
+            for index in range(params.num_samples)
         ]
         for sample in samples:
-            sample.logprobs = [] if params.logprobs is not None else None
+            sample.logprobs = [] if params.logprobs is not None or params.ranked else None
             if parsers is not None:
                 sample.parsers = output_parsers.build(parsers, self.tokenizer, ids)
         state = RequestState(request_id, prompt, list(ids), params, samples, RequestMetrics(arrival_time=now))
@@ -263,7 +263,8 @@ class OutputProcessor:
         step's outputs) the parsers read the update; a parser that raises fails the
         request. Without (an abort or a failure from the front end) they do not."""
         kind = state.params.output_kind
-        if (kind == "final_only" and not state.finished) or state.reported:
+        ranked = state.params.ranked  # best_of > n: the n best samples, once all have ended
+        if ((kind == "final_only" or ranked) and not state.finished) or state.reported:
             return None
         delta = kind == "delta"
         pieces = [self._piece(state, sample, delta) for sample in state.samples]
@@ -288,6 +289,8 @@ class OutputProcessor:
             )
             for sample, (text, token_ids, logprobs), message_delta in zip(state.samples, pieces, deltas)
         ]
+        if ranked:
+            outputs = best_of(outputs, state.params.n, keep_logprobs=state.params.logprobs is not None)
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs, state.sent_prompt_logprobs = prompt_logprobs[state.sent_prompt_logprobs :], len(prompt_logprobs)
@@ -344,6 +347,17 @@ class OutputProcessor:
             metrics.finish_time = max(s.finish_time or 0.0 for s in state.samples)
         metrics.num_preemptions = sum(s.num_preemptions for s in state.samples)
         return metrics
+
+
+def best_of(outputs: list[CompletionOutput], n: int, *, keep_logprobs: bool) -> list[CompletionOutput]:
+    """The ``n`` samples of highest cumulative logprob (ties: the first drawn), indexed
+    0..n-1 in that order; their logprobs only if the request asked for them."""
+    chosen = sorted(outputs, key=lambda o: (-(o.cumulative_logprob or 0.0), o.index))[:n]
+    for index, output in enumerate(chosen):
+        output.index = index
+        if not keep_logprobs:
+            output.logprobs = output.cumulative_logprob = None
+    return chosen
 
 
 def _entries(entry: TokenLogprobs) -> dict[int, Logprob]:

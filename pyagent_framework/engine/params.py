@@ -240,6 +240,7 @@ class SamplingParams:
     priority: int = 0
     structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None
     speculative: bool = True  # False: never draft for this request (with --speculative-method)
+    best_of: int | None = None  # draw this many samples, return the n of highest cumulative logprob
     bad_words: list[str] | None = None  # never generated: their last token is barred after the rest
     allowed_token_ids: list[int] | None = None  # only these may be generated
     # What each output holds: "cumulative" (everything so far), "delta" (what is new since
@@ -252,6 +253,16 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def num_samples(self) -> int:
+        """How many samples are drawn: ``best_of`` when set, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def ranked(self) -> bool:
+        """Whether ``n`` of more samples are chosen (``best_of > n``)."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -260,6 +271,14 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Check every field; raise :class:`InvalidRequestError` naming the first bad one."""
         _int("n", self.n, low=1, high=MAX_N)
+        if self.best_of is not None:
+            _int("best_of", self.best_of, low=self.n, high=MAX_N)
+            if self.ranked and self.output_kind == "delta":
+                raise InvalidRequestError("best_of > n cannot be streamed: the samples are ranked once they have ended",
+                                          param="best_of")
+            if self.ranked and self.greedy:
+                raise InvalidRequestError("best_of > n needs sampling (temperature > 0): greedy samples are all the same",
+                                          param="best_of")
         if self.output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", param="output_kind")
         if not isinstance(self.speculative, bool):

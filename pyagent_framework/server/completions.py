@@ -24,13 +24,15 @@ class CompletionsMixin:
         self.check_generates()
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
         prompts = _prompt_list(req.prompt)
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}, got {req.n}", param="n")
-        if len(prompts) * req.n > self.config.max_n:
-            raise APIError(400, f"prompts × n must be <= {self.config.max_n}, got {len(prompts) * req.n}", param="prompt")
+        drawn = max(req.n, req.best_of or 0)  # best_of: drawn, the n best returned
+        if req.best_of is not None and req.best_of > self.config.max_n:
+            raise APIError(400, f"best_of must be <= {self.config.max_n}, got {req.best_of}", param="best_of")
+        if len(prompts) * drawn > self.config.max_n:
+            raise APIError(400, f"prompts × {'best_of' if drawn > req.n else 'n'} must be <= {self.config.max_n}, "
+                                f"got {len(prompts) * drawn}", param="prompt")
         prompt_ids = [self.tokenize_prompt(p, req.add_special_tokens) for p in prompts]
         param_list = []
         for ids in prompt_ids:

@@ -79,6 +79,7 @@ class SamplingMixin:
             skip_special_tokens=req.skip_special_tokens,
             priority=req.priority,
             speculative=req.speculative,
+            best_of=getattr(req, "best_of", None),
             bad_words=req.bad_words,
             allowed_token_ids=req.allowed_token_ids,
             # A stream takes each step's new text only (O(n) in its length); a whole
