@@ -96,6 +96,9 @@ def test_bad_embedding_requests_name_the_problem(llm):
         llm.generate("hi")
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
         llm.embed([""])
+    with pytest.raises(InvalidRequestError, match="already in use") as caught:
+        llm.engine.add_embed_requests_nowait([("same", "a", None), ("same", "b", None)])
+    assert caught.value.param == "request_id"
     assert not llm.engine.has_unfinished_requests()  # nothing was left behind
     assert len(llm.embed(["still serving"])) == 1
 

@@ -136,6 +136,9 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         prepared = []
         for request_id, prompt, params in requests:
+            if not isinstance(request_id, str) or not request_id or self.in_flight(request_id) or any(
+                    request_id == other for other, *_ in prepared):
+                raise InvalidRequestError(f"request id {request_id!r} is empty or already in use", param="request_id")
             params = params or PoolingParams()
             params.check(self.info.hidden_size, self.info.matryoshka, self.max_model_len)
             text, ids = self.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
