@@ -220,6 +220,9 @@ def make_core(config: EngineConfig):
     else :class:`~.core.EngineCore`."""
     from pyagent_framework.engine.core import EngineCore
 
+    device = loader.choose_device(config.device)  # what fails before any model is read fails first, as in EngineCore
+    if config.tensor_parallel_size > 1:
+        setup.check_tensor_parallel(config, device)
     model_path = loader.resolve_model(config.model, config.gguf_file)
     weight_format = loader.choose_weight_format(model_path, config.weight_format)
     model_config = weight_format.load_config(model_path)
