@@ -172,8 +172,13 @@ class LLMEngine:
             return ids[: limit - 1] + ids[-1:]  # [CLS] first tokens [SEP]
         return ids[:limit]
 
-    def _embedding(self, out: CoreOutput) -> EmbeddingRequestOutput:
-        text, ids, params = self._embeds.pop(out.request_id)
+    def _embedding(self, out: CoreOutput) -> EmbeddingRequestOutput | None:
+        """The output of a finished embedding request; None if it was aborted meanwhile
+        (another thread may abort while a step's outputs are processed)."""
+        entry = self._embeds.pop(out.request_id, None)
+        if entry is None:
+            return None
+        text, ids, params = entry
         if out.embedding is None:
             kind = "invalid_request" if out.error is not None and out.error.code == ErrorCode.INVALID_REQUEST else "internal"
             message = out.error.message if out.error is not None else f"the request ended ({out.finish_reason})"
@@ -195,7 +200,8 @@ class LLMEngine:
         mine = [out for out in core_outputs.outputs if out.request_id in self._embeds]
         rest = CoreOutputs([out for out in core_outputs.outputs if out.request_id not in self._embeds], core_outputs.timestamp)
         outputs, aborts = self.output_processor.process(rest)
-        return outputs + [self._embedding(out) for out in mine], aborts
+        embedded = [self._embedding(out) for out in mine]
+        return outputs + [out for out in embedded if out is not None], aborts
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self.output_processor.requests or request_id in self._embeds
@@ -205,8 +211,8 @@ class LLMEngine:
         if error is not None and request_id in self._embeds:  # the core refused an embedding
             failed = CoreOutput(request_id, finish_reason="error")
             with self._failed_lock:
-                if request_id in self._embeds:
-                    output = self._embedding(failed)
+                output = self._embedding(failed)
+                if output is not None:
                     output.error = str(error)
                     output.error_kind = "invalid_request" if isinstance(error, InvalidRequestError) else "internal"
                     self._failed.append(output)
