@@ -143,23 +143,9 @@ def _source(spec: GrammarSpec) -> str | None:
     if spec.kind == "json_object":
         return None
     if spec.kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"invalid json_schema: not JSON ({exc})") from None
-        if not isinstance(value, (dict, bool)):
-            raise ValueError(f"invalid json_schema: a schema is an object, got {type(value).__name__}")
-        return json.dumps(value)
+        return _json_text(spec.kind, value, (dict, bool), "a schema")
     if spec.kind == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"invalid structural_tag: not JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"invalid structural_tag: a structural tag is an object, got {type(value).__name__}")
-        return json.dumps(value)
+        return _json_text(spec.kind, value, (dict,), "a structural tag")
     if spec.kind == "choice":
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("invalid choice: give a non-empty list of non-empty strings")
@@ -174,3 +160,15 @@ def _first_line(exc: BaseException) -> str:
     """xgrammar's message without its time and source-location prefix."""
     lines = str(exc).strip().splitlines()
     return _LOCATION.sub("", lines[0]) if lines else type(exc).__name__
+
+
+def _json_text(kind: str, value: Any, types: tuple[type, ...], what: str) -> str:
+    """``value`` (JSON text or the value itself) as JSON text, if it is one of ``types``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"invalid {kind}: not JSON ({exc})") from None
+    if not isinstance(value, types):
+        raise ValueError(f"invalid {kind}: {what} is an object, got {type(value).__name__}")
+    return json.dumps(value)
