@@ -193,6 +193,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
     task: str = "generate"  # "embed": an encoder, which serves embedding requests only
     hidden_size: int = 0  # an embedding's length (embed)
     matryoshka: bool = False  # whether an embedding may be cut to fewer dimensions (embed)
+    normalize: bool = True  # whether embeddings are scaled to unit length unless a request says (embed)
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):

@@ -22,7 +22,7 @@ import torch
 from pyagent_framework import parallel, registries
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig
-from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.errors import TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.grammar_gate import GrammarGate
 from pyagent_framework.engine.kv_cache import BlockPool
@@ -156,8 +156,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         if request.embed:
-            raise InvalidRequestError("this model generates text; embeddings need an embedding model (an encoder such as "
-                                      "BERT or all-MiniLM-L6-v2)", param="model")
+            raise InvalidRequestError(TEXT_MODEL_NO_EMBEDDINGS, param="model")
         ids = list(request.prompt_token_ids)
         if not ids or len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}", param="prompt")

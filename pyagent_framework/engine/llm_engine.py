@@ -19,13 +19,12 @@ import attrs
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, InprocClient
-from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.errors import EMBEDDING_MODEL_NO_TEXT, TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.input_processor import InputProcessor
 from pyagent_framework.engine.output_processor import OutputProcessor
 from pyagent_framework.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pyagent_framework.engine.params import PoolingParams, SamplingParams
-from pyagent_framework.engine.pooling import PoolingConfig
 from pyagent_framework.messages import AddRequest, CoreOutput, CoreOutputs, CoreSamplingParams, ErrorCode
 
 
@@ -50,11 +49,8 @@ class LLMEngine:
             self.client = InprocClient(config)
             self.core = self.client.core  # the EngineCore itself, for tests and debugging
             self.tokenizer, tokenizer_name = self.core.tokenizer, self.core.tokenizer_name
-            model_path = self.core.model_path
         info = self.client.info
         self.task = info.task  # "generate", or "embed" for an encoder
-        # An embedding model's pooling, for what the front end does per request (normalize).
-        self.pooling = PoolingConfig.from_model_dir(model_path, config.pooling, config.normalize) if self.task == "embed" else None
         self._embeds: dict[str, tuple[str | None, list[int], PoolingParams]] = {}  # embedding requests in flight
         self.info = info
         self.vocab_size = info.vocab_size
@@ -100,8 +96,7 @@ class LLMEngine:
         batch's composition, and so its float rounding, does not depend on timing).
         Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
         if self.task == "embed":
-            raise InvalidRequestError("this model is an embedding model (an encoder): it makes embeddings "
-                                      "(LLM.embed, /v1/embeddings) and generates no text", param="model")
+            raise InvalidRequestError(EMBEDDING_MODEL_NO_TEXT, param="model")
         processed = [
             (request_id, *self.input_processor.process(request_id, prompt, params, self.output_processor, **options))
             for request_id, prompt, params in requests
@@ -131,8 +126,7 @@ class LLMEngine:
         first tokens and the closing special token, as the tokenizer's own truncation
         does. Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
         if self.task != "embed":
-            raise InvalidRequestError("this model generates text; embeddings need an embedding model (an encoder such as "
-                                      "BERT or all-MiniLM-L6-v2)", param="model")
+            raise InvalidRequestError(TEXT_MODEL_NO_EMBEDDINGS, param="model")
         arrival = time.time() if arrival_time is None else arrival_time
         prepared = []
         for request_id, prompt, params in requests:
@@ -188,7 +182,7 @@ class LLMEngine:
         vector = out.embedding.to_tensor().to(torch.float32)
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
-        if self.pooling.normalize if params.normalize is None else params.normalize:
+        if self.info.normalize if params.normalize is None else params.normalize:
             vector = torch.nn.functional.normalize(vector, dim=-1)
         return EmbeddingRequestOutput(out.request_id, text, ids, EmbeddingOutput(vector.tolist()))
 

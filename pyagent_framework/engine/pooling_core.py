@@ -25,7 +25,7 @@ from pyagent_framework import registries
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.core import StepTimes
-from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.errors import EMBEDDING_MODEL_NO_TEXT, ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.pooling import PoolingConfig, pool
 from pyagent_framework.engine.profiling import Profiler
@@ -120,6 +120,7 @@ class PoolingCore:
             task=self.task,
             hidden_size=self.hidden_size,
             matryoshka=self.matryoshka,
+            normalize=self.pooling.normalize,
         )
 
     # ------------------------------------------------------------------ requests
@@ -128,8 +129,7 @@ class PoolingCore:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
         if not request.embed:
-            raise InvalidRequestError("this model is an embedding model (an encoder): it makes embeddings "
-                                      "(LLM.embed, /v1/embeddings) and generates no text", param="model")
+            raise InvalidRequestError(EMBEDDING_MODEL_NO_TEXT, param="model")
         if request.grammar is not None:
             raise InvalidRequestError("an embedding request takes no structured output", param="structured_outputs")
         ids = list(request.prompt_token_ids)
