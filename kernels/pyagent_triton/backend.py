@@ -55,6 +55,13 @@ class TritonLayerOps(LayerOps):
             return super().silu_and_mul(x)
         return _kernels()[1].silu_and_mul(x)
 
+    def add_lora(self, out, x, lora_a, lora_b, groups, row_slots):
+        # One adapter in the batch: its two GEMMs beat the kernels' two launches
+        # (benchmarks/lora_kernels.py); several: the kernels, 4-7x the torch grouping.
+        if row_slots is None or len(groups) < 2 or not runtime.usable(x) or x.stride(-1) != 1 or out.stride(-1) != 1:
+            return super().add_lora(out, x, lora_a, lora_b, groups, row_slots)
+        _kernels()[1].add_lora_(out, x, lora_a, lora_b, row_slots)
+
     def apply_token_bitmask(self, logits, bitmask, indices=None):
         if not runtime.usable(logits) or not logits.is_contiguous():
             return super().apply_token_bitmask(logits, bitmask, indices)

@@ -17,6 +17,10 @@
 - ``apply_token_bitmask_(logits, bitmask, indices=None)``: in place, ``-inf`` for
   every token whose bit (bit ``t % 32`` of int32 word ``t // 32``) is clear; with
   ``indices``, bitmask row ``r`` applies to logits row ``indices[r]``.
+- ``add_lora_(out, x, lora_a, lora_b, row_slots)``: in place, each row's LoRA
+  adapter ``out[t] += lora_b[s] @ (lora_a[s] @ x[t])`` (``s = row_slots[t]``; -1:
+  none), float32 math: a batch that mixes adapters and the base model in one launch
+  pair.
 
 Inputs may be strided views (row and head strides are free) but their last dim
 must be contiguous. Slot and index values are not checked on the host (that would
@@ -37,6 +41,8 @@ import triton.language as tl
 from pyagent_triton.runtime import next_pow2
 
 __all__ = [
+    "add_lora_",
+    "add_lora_reference",
     "apply_token_bitmask_",
     "apply_token_bitmask_reference",
     "reshape_and_cache",
@@ -441,3 +447,104 @@ def apply_token_bitmask_reference(
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     rows = torch.arange(logits.shape[0], device=logits.device) if indices is None else indices.long()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+# --------------------------------------------------------------------------- add_lora_
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, slots_ptr, tmp_ptr, x_stride, a_slot_stride, a_row_stride, tmp_stride, in_features, rank,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # tmp[row] += lora_a[slot, :, cols] @ x[row, cols] (float32), one program per (row,
+    # column block of x): split over the input features, summed with atomics.
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    live_rank = tl.where(slot >= 0, rank, 0)  # a row without an adapter reads and writes nothing
+    slot = tl.maximum(slot, 0)
+    r = tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    xk = tl.load(x_ptr + row * x_stride + k, mask=k < in_features, other=0.0).to(tl.float32)
+    a = tl.load(
+        a_ptr + slot * a_slot_stride + r[:, None] * a_row_stride + k[None, :],
+        mask=(r[:, None] < live_rank) & (k[None, :] < in_features), other=0.0,
+    ).to(tl.float32)
+    tl.atomic_add(tmp_ptr + row * tmp_stride + r, tl.sum(a * xk[None, :], axis=1), mask=r < live_rank)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    tmp_ptr, b_ptr, slots_ptr, out_ptr, tmp_stride, b_slot_stride, b_row_stride, out_stride, out_features, rank,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # out[row, cols] += lora_b[slot, cols] @ tmp[row], one program per (row, column tile).
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    live_cols = tl.where(slot >= 0, out_features, 0)  # a row without an adapter is left as it is
+    live_rank = tl.where(slot >= 0, rank, 0)
+    slot = tl.maximum(slot, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    v = tl.load(tmp_ptr + row * tmp_stride + r, mask=r < live_rank, other=0.0)
+    b = tl.load(
+        b_ptr + slot * b_slot_stride + n[:, None] * b_row_stride + r[None, :],
+        mask=(n[:, None] < live_cols) & (r[None, :] < rank), other=0.0,
+    ).to(tl.float32)
+    delta = tl.sum(b * v[None, :], axis=1)
+    cols = n < live_cols
+    current = tl.load(out_ptr + row * out_stride + n, mask=cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + n, (current + delta).to(out_ptr.dtype.element_ty), mask=cols)
+
+
+def _check_add_lora(out, x, lora_a, lora_b, row_slots) -> None:
+    _check_float("out", out, 2)
+    _check_float("x", x, 2)
+    _check_float("lora_a", lora_a, 3)
+    _check_float("lora_b", lora_b, 3)
+    _check_index("row_slots", row_slots, x.shape[0])
+    tokens, in_features = x.shape
+    slots, rank, a_in = lora_a.shape
+    if a_in != in_features:
+        raise ValueError(f"lora_a: {a_in} input features, x has {in_features}")
+    if tuple(lora_b.shape) != (slots, out.shape[1], rank):
+        raise ValueError(f"lora_b: expected shape {(slots, out.shape[1], rank)}, got {tuple(lora_b.shape)}")
+    if out.shape[0] != tokens:
+        raise ValueError(f"out: {out.shape[0]} rows, x has {tokens}")
+    _check_device(x.device, out=out, lora_a=lora_a, lora_b=lora_b, row_slots=row_slots)
+
+
+def add_lora_(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor) -> None:
+    """In place: ``out[t] += lora_b[s] @ (lora_a[s] @ x[t])`` with ``s = row_slots[t]``,
+    for every row whose slot is not -1 (float32 math; the grouped-GEMV form, for
+    decode batches that mix adapters: a shrink launch split over rows and input
+    features, then an expand launch split over rows and output features).
+    ``x [T, in]``, ``out [T, out]``, ``lora_a [slots, R, in]``, ``lora_b [slots, out, R]``."""
+    _check_add_lora(out, x, lora_a, lora_b, row_slots)
+    tokens, in_features = x.shape
+    rank, out_features = lora_a.shape[1], out.shape[1]
+    if tokens == 0 or rank == 0 or out_features == 0:
+        return
+    lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    tmp = torch.zeros((tokens, rank), dtype=torch.float32, device=x.device)
+    block_r = next_pow2(rank)
+    block_k = max(16, min(next_pow2(in_features), _MAX_TILE // block_r, 256))
+    _lora_shrink_kernel[(tokens, triton.cdiv(in_features, block_k))](
+        x, lora_a, row_slots, tmp, x.stride(0), lora_a.stride(0), lora_a.stride(1), tmp.stride(0), in_features, rank,
+        BLOCK_K=block_k, BLOCK_R=block_r, num_warps=_num_warps(block_k * block_r),
+    )
+    block_n = max(16, min(next_pow2(out_features), _MAX_TILE // block_r))
+    _lora_expand_kernel[(tokens, triton.cdiv(out_features, block_n))](
+        tmp, lora_b, row_slots, out, tmp.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0), out_features, rank,
+        BLOCK_N=block_n, BLOCK_R=block_r, num_warps=_num_warps(block_n * block_r),
+    )
+
+
+def add_lora_reference(
+    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor
+) -> None:
+    _check_add_lora(out, x, lora_a, lora_b, row_slots)
+    for t, slot in enumerate(row_slots.tolist()):
+        if slot >= 0:
+            delta = lora_b[slot].float() @ (lora_a[slot].float() @ x[t].float())
+            out[t] = (out[t].float() + delta).to(out.dtype)

@@ -434,3 +434,46 @@ def test_cuda_bitmask_half(dtype, vocab):
     ops.apply_token_bitmask_(logits, bitmask, indices)
     ops.apply_token_bitmask_reference(twin, bitmask, indices)
     assert torch.equal(logits, twin)
+
+
+# --------------------------------------------------------------------------- add_lora_
+
+
+def lora_case(tokens, in_features, out_features, rank, slots=3, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(tokens, in_features, dtype=dtype, seed=seed)
+    out = randn(tokens, out_features, dtype=dtype, seed=seed + 1)
+    a = randn(slots, rank, in_features, dtype=dtype, seed=seed + 2)
+    b = randn(slots, out_features, rank, dtype=dtype, seed=seed + 3)
+    row_slots = torch.randint(-1, slots, (tokens,), generator=g, dtype=torch.int32).to(DEVICE)
+    return out, x, a, b, row_slots
+
+
+@pytest.mark.parametrize("tokens,in_features,out_features,rank", [(1, 16, 24, 4), (7, 40, 96, 8), (17, 64, 48, 24), (5, 32, 8, 16)])
+def test_add_lora_matches_its_twin_and_the_layer_ops_grouping(tokens, in_features, out_features, rank):
+    out, x, a, b, row_slots = lora_case(tokens, in_features, out_features, rank)
+    want = out.clone()
+    ops.add_lora_reference(want, x, a, b, row_slots)
+    got = out.clone()
+    ops.add_lora_(got, x, a, b, row_slots)
+    torch.testing.assert_close(got, want, **FP32)
+    # and the plain-torch LayerOps.add_lora, which batches by adapter
+    from pyagent_framework.interfaces import LayerOps
+
+    groups = [(s, torch.nonzero(row_slots == s).flatten()) for s in range(a.shape[0]) if (row_slots == s).any()]
+    torch_out = out.clone()
+    LayerOps().add_lora(torch_out, x, a, b, groups, row_slots)
+    torch.testing.assert_close(torch_out, want, **FP32)
+    untouched = row_slots == -1
+    torch.testing.assert_close(got[untouched], out[untouched], rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_add_lora_half_precision_and_model_shapes(dtype):
+    out, x, a, b, row_slots = lora_case(64, 4096, 6144, 48, slots=4, dtype=dtype)
+    want = out.clone()
+    ops.add_lora_reference(want, x, a, b, row_slots)
+    got = out.clone()
+    ops.add_lora_(got, x, a, b, row_slots)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=0.5)

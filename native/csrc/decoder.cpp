@@ -33,8 +33,51 @@ void grow(std::vector<float>& v, int64_t n) {
 // contiguous and the kernel writes them in place, with more the part's [M, N_p] goes
 // to a scratch and is copied into each row's slice (M * N floats, next to the
 // M * N * K multiply-adds).
-void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, int threads,
-                  std::vector<float>& scratch) {
+// out[t] += b[s] @ (a[s] @ x[t]) for the rows of each slot s: the rows gathered, two
+// float GEMMs through the dispatched kernel ([m, K] x [R, K]^T, then [m, R] x [N, R]^T),
+// the result added back to each row.
+void add_lora(const LinearWeight& w, float* out, const float* x, int64_t M, const int32_t* slots, int threads,
+              DecoderWorkspace& ws) {
+  const int64_t K = w.K, N = w.N, R = w.lora.rank;
+  for (int64_t s = 0; s < w.lora.slots; ++s) {
+    ws.lora_rows.clear();
+    for (int64_t m = 0; m < M; ++m) {
+      if (slots[m] == s) ws.lora_rows.push_back(m);
+    }
+    const int64_t rows = static_cast<int64_t>(ws.lora_rows.size());
+    if (rows == 0) continue;
+    grow(ws.lora_x, rows * K);
+    grow(ws.lora_mid, rows * R);
+    grow(ws.lora_out, rows * N);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy(x + ws.lora_rows[i] * K, x + (ws.lora_rows[i] + 1) * K, ws.lora_x.data() + i * K);
+    }
+    LinearArgs shrink{};
+    shrink.out = ws.lora_mid.data();
+    shrink.x = ws.lora_x.data();
+    shrink.weight = w.lora.a + s * R * K;
+    shrink.M = rows;
+    shrink.N = R;
+    shrink.K = K;
+    linear(shrink, threads, kAuto);
+    LinearArgs expand{};
+    expand.out = ws.lora_out.data();
+    expand.x = ws.lora_mid.data();
+    expand.weight = w.lora.b + s * N * R;
+    expand.M = rows;
+    expand.N = N;
+    expand.K = R;
+    linear(expand, threads, kAuto);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* dst = out + ws.lora_rows[i] * N;
+      const float* src = ws.lora_out.data() + i * N;
+      for (int64_t n = 0; n < N; ++n) dst[n] += src[n];
+    }
+  }
+}
+
+void apply_base(const LinearWeight& w, float* out, const float* x, int64_t M, int threads,
+                std::vector<float>& scratch) {
   if (w.parts.size() == 1) {
     apply_part(w.parts[0], out, x, M, threads);
     return;
@@ -52,6 +95,13 @@ void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, 
     }
     offset += p.N;
   }
+}
+
+// The layer (its base weight, then the rows' LoRA adapters when the batch has any).
+void apply_linear(const LinearWeight& w, float* out, const float* x, int64_t M, int threads, DecoderWorkspace& ws,
+                  const int32_t* lora_slots) {
+  apply_base(w, out, x, M, threads, ws.part);
+  if (lora_slots != nullptr && w.lora.a != nullptr) add_lora(w, out, x, M, lora_slots, threads, ws);
 }
 
 // out = x / sqrt(mean(x^2) + eps) * weight, over n values.
@@ -92,7 +142,7 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
     const LayerCache& c = caches[l];
     // attention block
     for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.input_norm, H, s.eps);
-    apply_linear(w.qkv, ws.qkv.data(), ws.h.data(), T, num_threads, ws.part);
+    apply_linear(w.qkv, ws.qkv.data(), ws.h.data(), T, num_threads, ws, b.lora_slots);
     for (int64_t t = 0; t < T; ++t) {
       float* row = &ws.qkv[t * qkv_size];
       const float* cos = b.cos + t * (D / 2);
@@ -134,14 +184,14 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
     a.sliding_window = w.sliding_window;
     a.scale = s.scale;
     paged_decode_attention(a, num_threads, kAuto);
-    apply_linear(w.o, ws.tmp.data(), ws.attn.data(), T, num_threads, ws.part);
+    apply_linear(w.o, ws.tmp.data(), ws.attn.data(), T, num_threads, ws, b.lora_slots);
     for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
     // MLP block
     for (int64_t t = 0; t < T; ++t) rms_norm(&ws.h[t * H], b.x + t * H, w.post_norm, H, s.eps);
-    apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads, ws.part);
+    apply_linear(w.gate_up, ws.gate_up.data(), ws.h.data(), T, num_threads, ws, b.lora_slots);
     SiluMulArgs act{ws.act.data(), ws.gate_up.data(), ws.gate_up.data() + inter, inter, 2 * inter, inter};
     silu_and_mul(act, T, num_threads, kAuto);
-    apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads, ws.part);
+    apply_linear(w.down, ws.tmp.data(), ws.act.data(), T, num_threads, ws, b.lora_slots);
     for (int64_t i = 0; i < T * H; ++i) b.x[i] += ws.tmp[i];
   }
 }

@@ -52,10 +52,21 @@ inline QuantLinearArgs packed_args(const LinearPart& p, float* out, const float*
 // row ranges are stored in different encodings (llama.cpp's _M mixes keep a fused
 // q/k/v's v in more bits) is several, each computing its own output features, part p
 // the N_p after those of the parts before it. Every part has the layer's K.
+// A layer's LoRA adapters, one per slot: out[t] += b[s] @ (a[s] @ x[t]) for a row t whose
+// slot s (DecoderBatch::lora_slots) is not -1; a [slots, rank, K], b [slots, N, rank], the
+// adapter's scale folded into b. Absent (a == nullptr): the layer has no adapters.
+struct LoRAWeight {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t slots = 0;
+  int64_t rank = 0;
+};
+
 struct LinearWeight {
   std::vector<LinearPart> parts;
   int64_t N = 0;
   int64_t K = 0;
+  LoRAWeight lora{};
 };
 
 // The layer: x += o(attn(rope(qkv(norm1(x))))); x += down(silu(gate) * up)(norm2(x)),
@@ -89,6 +100,7 @@ struct DecoderBatch {
   const int32_t* seq_lens;      // [T], the new token included
   int64_t T;
   int64_t table_stride;
+  const int32_t* lora_slots = nullptr;  // [T] each row's LoRA slot (-1: none), or nullptr: no adapters
 };
 
 struct LayerCache {
@@ -102,6 +114,8 @@ struct LayerCache {
 struct DecoderWorkspace {
   std::vector<float> h, qkv, q, attn, tmp, gate_up, act;
   std::vector<float> part;  // one part's [M, N_p] output, for a layer of several parts
+  std::vector<float> lora_x, lora_mid, lora_out;  // one adapter's rows: gathered x, x @ a^T, that @ b^T
+  std::vector<int64_t> lora_rows;
 };
 
 // Runs every layer in order; throws std::out_of_range for a slot or block id outside

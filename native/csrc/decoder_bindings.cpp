@@ -61,7 +61,7 @@ class DecoderStack {
   }
 
   void decode(py::array x, py::array cos, py::array sin, const py::list& kv_caches, py::array slots,
-              py::array block_tables, py::array seq_lens, int num_threads) {
+              py::array block_tables, py::array seq_lens, int num_threads, const py::object& lora_slots) {
     pyagent::DecoderBatch b{};
     b.x = array_data<float>(x, "x", {-1, shape_.hidden}, true);
     b.T = x.shape(0);
@@ -98,12 +98,23 @@ class DecoderStack {
       const int64_t half_cache = num_blocks * block_size * shape_.num_kv_heads * shape_.head_dim;
       caches.push_back({data, data + half_cache, num_blocks, block_size});
     }
+    if (!lora_slots.is_none()) {
+      if (lora_slots_ < 0) throw py::value_error("lora_slots: no layer of this stack has LoRA adapters");
+      b.lora_slots = array_data<int32_t>(lora_slots, "lora_slots", {b.T});
+      for (int64_t t = 0; t < b.T; ++t) {
+        if (b.lora_slots[t] < -1 || b.lora_slots[t] >= lora_slots_) {
+          throw py::value_error("lora_slots[" + std::to_string(t) + "] = " + std::to_string(b.lora_slots[t]) +
+                                ": expected -1 (none) or a slot below " + std::to_string(lora_slots_));
+        }
+      }
+    }
     if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
     py::gil_scoped_release release;
     pyagent::decode_layers(shape_, layers_, caches, b, ws_, num_threads);
   }
 
   size_t num_layers() const { return layers_.size(); }
+  bool has_lora() const { return lora_slots_ >= 0; }
 
  private:
   const float* vector(const py::dict& layer, const char* key, const std::string& at, int64_t n, bool optional) {
@@ -127,6 +138,7 @@ class DecoderStack {
     pyagent::LinearWeight w{};
     w.N = N;
     w.K = K;
+    w.lora = lora_weight(op, name, N, K);
     if (!op.contains("parts")) {
       w.parts.push_back(linear_part(op, name, N, K));
       return w;
@@ -150,6 +162,29 @@ class DecoderStack {
                             std::to_string(N) + " (the layer's output features, from the stack's shape)");
     }
     return w;
+  }
+
+  // An operand's optional LoRA adapters: "lora_a" [slots, R, K] and "lora_b" [slots, N, R],
+  // float32, both or neither; every layer with adapters has the same number of slots.
+  pyagent::LoRAWeight lora_weight(const py::dict& op, const std::string& name, int64_t N, int64_t K) {
+    pyagent::LoRAWeight l{};
+    const bool has_a = op.contains("lora_a"), has_b = op.contains("lora_b");
+    if (!has_a && !has_b) return l;
+    if (!has_a || !has_b) throw py::value_error(name + ": lora_a and lora_b come together");
+    const py::array a = py::reinterpret_borrow<py::array>(op["lora_a"]);
+    array_data<float>(op["lora_a"], name + ".lora_a", {-1, -1, K});
+    l.slots = a.shape(0);
+    l.rank = a.shape(1);
+    l.a = array_data<float>(op["lora_a"], name + ".lora_a", {l.slots, l.rank, K});
+    l.b = array_data<float>(op["lora_b"], name + ".lora_b", {l.slots, N, l.rank});
+    if (lora_slots_ >= 0 && l.slots != lora_slots_) {
+      throw py::value_error(name + ".lora_a: " + std::to_string(l.slots) + " slots, other layers have " +
+                            std::to_string(lora_slots_));
+    }
+    lora_slots_ = l.slots;
+    keep_.push_back(op["lora_a"]);
+    keep_.push_back(op["lora_b"]);
+    return l;
   }
 
   static py::dict operand_dict(const py::handle& obj, const std::string& name) {
@@ -201,6 +236,7 @@ class DecoderStack {
   pyagent::DecoderShape shape_{};
   std::vector<pyagent::DecoderLayerWeights> layers_;
   std::vector<py::object> keep_;  // the arrays the weights point into
+  int64_t lora_slots_ = -1;  // the adapters' slots (-1: no layer has any)
   pyagent::DecoderWorkspace ws_;
 };
 
@@ -214,6 +250,9 @@ void bind_decoder(py::module_& m) {
            py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("layers"))
       .def("decode", &DecoderStack::decode, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_threads") = 1,
-           "Advance x [T, hidden] in place through every layer: T sequences, one new token each.")
+           py::arg("lora_slots") = py::none(),
+           "Advance x [T, hidden] in place through every layer: T sequences, one new token each; "
+           "lora_slots (int32 [T], -1: none) picks each row's LoRA adapter in the layers that have them.")
+      .def_property_readonly("has_lora", &DecoderStack::has_lora)
       .def("__len__", &DecoderStack::num_layers);
 }

@@ -361,3 +361,61 @@ def test_bad_parts_are_value_errors_naming_the_linear():
                                       "activations": "int4"}]})
     _stack(**big, qkv={"parts": [{"data": q8(40, 32), "encoding": "Q8_0", "group": 0, "bias": None, "activations": "int16"},
                                  {"weight": w(24, 32), "bias": w(24)}]})  # accepted: packed and float parts
+
+
+def _lora_layers(slots=3, rank=4, hidden=8, heads=2, kv_heads=1, head_dim=4, inter=6):
+    """A layer with LoRA adapters on its four linears, and for each slot (and -1, no
+    adapter) the same layer with that slot's adapter merged into the weights."""
+    rng = np.random.default_rng(2)
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    shapes = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+              "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    base = {"input_norm": w(hidden), "post_norm": w(hidden), "q_norm": None, "k_norm": None, "sliding_window": 0}
+    weights = {name: w(*shape) * 0.3 for name, shape in shapes.items()}
+    adapters = {name: (w(slots, rank, shape[1]) * 0.3, w(slots, shape[0], rank) * 0.3) for name, shape in shapes.items()}
+    with_lora = {**base, **{name: {"weight": weights[name], "bias": None, "lora_a": adapters[name][0],
+                                   "lora_b": adapters[name][1]} for name in shapes}}
+    merged = {-1: {**base, **{name: {"weight": weights[name], "bias": None} for name in shapes}}}
+    for s in range(slots):
+        merged[s] = {**base, **{name: {"weight": (weights[name] + adapters[name][1][s] @ adapters[name][0][s]).astype(np.float32),
+                                       "bias": None} for name in shapes}}
+    return with_lora, merged
+
+
+def test_lora_slots_equal_the_adapters_merged_into_the_weights():
+    """The stack's LoRA (rows of each slot gathered, two GEMMs, added back) against its
+    twin: each row decoded by a stack whose weights hold that row's adapter merged."""
+    shape = (8, 2, 1, 4, 6, 1e-6, 0.5)
+    with_lora, merged = _lora_layers()
+    T = 7
+    row_slots = np.array([0, -1, 2, 1, 0, 2, -1], np.int32)
+    x = np.random.default_rng(3).standard_normal((T, 8)).astype(np.float32)
+    stack = _core.DecoderStack(*shape, [with_lora] * 2)
+    assert stack.has_lora
+
+    def run(s, slots=None):
+        out = x.copy()
+        rng = np.random.default_rng(1)
+        cs = rng.standard_normal((T, 2)).astype(np.float32)
+        sn = rng.standard_normal((T, 2)).astype(np.float32)
+        caches = [np.zeros((2, T, 4, 1, 4), np.float32) for _ in range(2)]
+        s.decode(out, cs, sn, caches, np.arange(T, dtype=np.int64) * 4, np.arange(T, dtype=np.int32)[:, None],
+                 np.ones(T, np.int32), 2, slots)
+        return out
+
+    got = run(stack, row_slots)
+    for slot, layer in merged.items():
+        want = run(_core.DecoderStack(*shape, [layer] * 2))
+        rows = row_slots == slot
+        np.testing.assert_allclose(got[rows], want[rows], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run(stack), run(_core.DecoderStack(*shape, [merged[-1]] * 2)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"lora_slots\[1\] = 3: expected -1 \(none\) or a slot below 3"):
+        run(stack, np.array([0, 3, 0, 0, 0, 0, 0], np.int32))
+    with pytest.raises(ValueError, match="no layer of this stack has LoRA adapters"):
+        run(_core.DecoderStack(*shape, [merged[0]] * 2), row_slots)
+    with pytest.raises(ValueError, match="lora_a and lora_b come together"):
+        _core.DecoderStack(*shape, [{**with_lora, "o": {"weight": merged[0]["o"]["weight"], "bias": None,
+                                                         "lora_a": with_lora["o"]["lora_a"]}}])

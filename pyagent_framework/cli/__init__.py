@@ -95,6 +95,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, ski
         flag = "--" + field.name.replace("_", "-")
         if field.type in (bool, "bool", "bool | None"):  # --enable-x / --no-enable-x
             group.add_argument(flag, dest=field.name, default=None, action=argparse.BooleanOptionalAction, help=field.metadata.get("help"))
+        elif field.metadata.get("nargs"):
+            group.add_argument(flag, dest=field.name, default=None, nargs=field.metadata["nargs"], help=field.metadata.get("help"))
         else:
             group.add_argument(flag, dest=field.name, default=None, help=field.metadata.get("help"))
 

@@ -39,6 +39,36 @@ def _json_mapping(name: str, value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _lora_modules(value: Any) -> dict[str, str] | None:
+    """``{name: path}`` from a mapping, a list of ``NAME=PATH`` strings, JSON text or
+    one string of them separated by spaces or commas (an environment variable)."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith(("{", "[")) else re.split(r"[\s,]+", text)
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        pairs = []
+        for item in value:
+            if isinstance(item, dict) and "name" in item and "path" in item:
+                pairs.append((item["name"], item["path"]))
+                continue
+            name, sep, path = str(item).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {item!r} is not NAME=PATH")
+            pairs.append((name, path))
+    else:
+        raise ValueError(f"lora_modules must be NAME=PATH entries, got {type(value).__name__}")
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if not isinstance(name, str) or not isinstance(path, str) or name in out:
+            raise ValueError(f"lora_modules: adapter {name!r} is given twice or is not NAME=PATH")
+        out[name] = path
+    return out
+
+
 def _non_negative(attribute, value) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be 0 or more, got {value}")
@@ -96,6 +126,10 @@ class EngineConfig:
     scheduling_policy: str = attrs.field(default="fcfs", validator=lambda _, a, v: _one_of(a, v, ("fcfs", "priority", "fair")), metadata={"help": "fcfs: waiting requests by priority, then arrival (default); priority: also, a request of higher priority (lower number) takes the place of a running one of lower priority when it could not join otherwise (the running one is recomputed later); fair: waiting requests join by tenant (the OpenAI user field), the least-served tenant first, and no tenant takes more than an even split of a step's budget"})
     pooling: str | None = attrs.field(default=None, validator=lambda _, a, v: v is None or _one_of(a, v, ("cls", "mean", "max", "last")), metadata={"help": "how an embedding model pools its token states: cls, mean, max or last (default: as the model's sentence-transformers files say, else cls)"})
     normalize: bool | None = attrs.field(default=None, metadata={"help": "whether an embedding model's vectors are scaled to unit length (default: as the model's files say, else yes); a request's own normalize wins"})
+    enable_lora: bool = attrs.field(default=False, metadata={"help": "serve LoRA adapters (PEFT directories) beside the base model: --lora-modules at start, or loaded later"})
+    lora_modules: Any = attrs.field(default=None, converter=lambda v: _lora_modules(v), metadata={"nargs": "+", "help": "LoRA adapters to load at start, as NAME=PATH (several: space-separated); a request picks one by its model name"})
+    max_loras: int = attrs.field(default=4, validator=_positive, metadata={"help": "LoRA adapters that can serve in one batch (the model's adapter slots); requests of further adapters wait for a slot"})
+    max_lora_rank: int = attrs.field(default=16, validator=_positive, metadata={"help": "the largest LoRA rank an adapter may have (the slots' size)"})
     engine_process: bool = attrs.field(default=True, metadata={"help": "run the engine core (scheduler, KV cache, model) in a process of its own (default); --no-engine-process runs it in this process"})
 
     def rank_threads(self, cores: int) -> int:

@@ -79,6 +79,7 @@ class EngineCore:
                 dtype=config.dtype,
                 device=self.device,
             )
+        self.lora = setup.make_lora(config, self.model, self.device, self.layer_ops)  # before the KV cache: its slots take memory too
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = setup.max_model_len(config, self.model_config)
         self.kv_cache, num_blocks = setup.allocate_kv_cache(config, self.model, self.max_model_len, self.device)
@@ -120,6 +121,7 @@ class EngineCore:
             grammar=self.grammar,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
+            max_loras=config.max_loras if self.lora is not None else None,
         )
         self.workers = None  # ranks 1 and up of a tensor-parallel group
         if tp_size > 1:
@@ -127,7 +129,8 @@ class EngineCore:
                 config, size=tp_size, num_blocks=num_blocks, threads=torch.get_num_threads(),
                 attention_backend=self.attention_backend, quantization=self.quantization,
             )
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, self.workers)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, self.workers,
+                                  lora=self.lora.state if self.lora is not None else None)
         self.step_sampler = StepSampler(Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed), self.grammar, self.speculator)
         self.updater = RequestUpdater(self)
         self.requests: dict[str, Sequence] = {}
@@ -145,6 +148,8 @@ class EngineCore:
             num_kv_blocks=self.pool.num_blocks,
             block_size=self.config.block_size,
             pid=os.getpid(),
+            lora_adapters=sorted(self.lora.adapters) if self.lora is not None else [],
+            max_loras=self.config.max_loras if self.lora is not None else 0,
         )
 
     # ------------------------------------------------------------------ requests
@@ -163,6 +168,12 @@ class EngineCore:
         params = request.params
         seq = Sequence(request.request_id, ids, len(ids), params, request.arrival_time, self.max_model_len, request.cache_salt,
                        tenant=request.tenant)
+        if request.lora is not None:
+            if self.lora is None or request.lora not in self.lora.adapters:
+                loaded = ", ".join(sorted(self.lora.adapters)) if self.lora is not None else "none: LoRA is off (--enable-lora)"
+                raise InvalidRequestError(f"no LoRA adapter named {request.lora!r} is loaded (loaded: {loaded or 'none'})",
+                                          param="model")
+            seq.lora, seq.lora_key = request.lora, self.lora.key(request.lora)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed((params.seed * 1_000_003 + request.sample_index) % 2**63)
         grammar = None
@@ -207,6 +218,9 @@ class EngineCore:
         return outputs
 
     def execute(self, batch: ScheduledBatch) -> StepLogits:
+        if self.lora is not None:  # each row's adapter, in a slot (not the forward: a fault here is the step's)
+            running = {seq.lora for seq in self.scheduler.running if seq.lora is not None}
+            self.lora.prepare([(seq.lora, n) for seq, n in batch.items], running)
         try:
             return self.runner.execute(batch)
         except Exception as exc:
@@ -249,7 +263,19 @@ class EngineCore:
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **self.step_times.stats(),
+            **(self.lora.stats() if self.lora is not None else {}),
         }
+
+    def add_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (between steps); an error names what is wrong with it."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is off: start the engine with --enable-lora", param="lora_name")
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is off: start the engine with --enable-lora", param="lora_name")
+        self.lora.remove(name, in_use=any(seq.lora == name for seq in self.requests.values()))
 
     def start_profile(self, directory: str) -> str:
         return self.profiler.start(directory)

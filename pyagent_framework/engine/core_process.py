@@ -167,7 +167,7 @@ class CoreServer:
 
 
 #: The core's methods a front end may call between steps (UtilityCall).
-UTILITY_CALLS = frozenset({"stats", "start_profile", "stop_profile"})
+UTILITY_CALLS = frozenset({"stats", "start_profile", "stop_profile", "add_lora", "remove_lora"})
 
 
 def _loop_on_own_thread(core) -> bool:

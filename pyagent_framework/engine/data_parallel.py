@@ -187,6 +187,7 @@ class DataParallelClient:
         self._lock = threading.RLock()
         self._tracked: dict[str, _Tracked] = {}
         self._parked: list[_Tracked] = []
+        self._replayed: dict[str, tuple[str, tuple]] = {}  # LoRA adapters loaded at run time, by name
         self._restarts = [0] * self.size
         self._starting: set[int] = set()
         self._closed = False
@@ -301,9 +302,15 @@ class DataParallelClient:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """A core utility method (``start_profile``, ...) on every live replica; their
-        results in replica order."""
-        return [client.call(method, *args) for index, client in enumerate(list(self.replicas))
-                if client is not None and client.error is None and index in self.balancer.live]
+        results in replica order. A LoRA adapter loaded (or unloaded) this way is loaded
+        again in a replica that restarts."""
+        results = [client.call(method, *args) for index, client in enumerate(list(self.replicas))
+                   if client is not None and client.error is None and index in self.balancer.live]
+        if method == "add_lora":
+            self._replayed[args[0]] = (method, args)
+        elif method == "remove_lora":
+            self._replayed.pop(args[0], None)
+        return results
 
     def close(self) -> None:
         with self._lock:
@@ -421,6 +428,8 @@ class DataParallelClient:
             pass
         try:
             client = self._start(index)
+            for method, args in list(self._replayed.values()):  # LoRA adapters loaded since the start
+                client.call(method, *args)
         except Exception as exc:
             logger.error("data-parallel replica %d did not start again: %s", index, exc)
             with self._lock:

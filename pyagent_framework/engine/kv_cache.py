@@ -54,13 +54,16 @@ def _encode(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data  # length-prefixed: no two keys collide by concatenation
 
 
-def root_hash(model_key: str, cache_salt: str | None, algorithm: str = "sha256") -> bytes:
-    """Where a sequence's hash chain starts: the hash, the model and the tenant's salt."""
+def root_hash(model_key: str, cache_salt: str | None, algorithm: str = "sha256", adapter: str | None = None) -> bytes:
+    """Where a sequence's hash chain starts: the hash, the model, the tenant's salt and
+    the LoRA adapter's identity (none for the base model)."""
     digest = _hasher(algorithm)
     digest.update(_HASH_DOMAIN)
     digest.update(_encode(algorithm))
     digest.update(_encode(model_key))
     digest.update(b"\x00" if cache_salt is None else b"\x01" + _encode(cache_salt))
+    if adapter is not None:
+        digest.update(b"\x02" + _encode(adapter))
     return digest.digest()
 
 
@@ -189,7 +192,7 @@ class BlockPool:
         bs = self.block_size
         eligible = (seq.num_tokens - 1) // bs
         self.prefix_queries += eligible * bs
-        parent = root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
+        parent = root_hash(self.model_key, seq.cache_salt, self.hash_algorithm, seq.lora_key)
         hashes: list[bytes] = []
         blocks: list[int] = []
         for i in range(eligible):
@@ -221,7 +224,7 @@ class BlockPool:
         if full <= len(seq.block_hashes):
             return []  # nothing new to file (most decode steps)
         filed = []
-        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt, self.hash_algorithm)
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(self.model_key, seq.cache_salt, self.hash_algorithm, seq.lora_key)
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             digest = block_hash(parent, tokens, self.hash_algorithm)

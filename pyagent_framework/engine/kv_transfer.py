@@ -246,7 +246,7 @@ class KVTransfer:
         start = len(seq.block_hashes)
         if start >= eligible or seq.num_computed_tokens != start * bs or len(seq.block_ids) != start:
             return 0
-        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(pool.model_key, seq.cache_salt, pool.hash_algorithm)
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(pool.model_key, seq.cache_salt, pool.hash_algorithm, seq.lora_key)
         keys = []
         for i in range(start, eligible):
             parent = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), pool.hash_algorithm)

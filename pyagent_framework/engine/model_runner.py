@@ -42,6 +42,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     logit_rows: list[torch.Tensor]
+    lora_slots: torch.Tensor | None = None  # each token row's LoRA slot (-1: none), when the batch has adapters
 
 
 def run_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, inputs: StepInputs, device) -> list[torch.Tensor]:
@@ -61,7 +62,8 @@ def run_step(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: 
         max_query_len=inputs.max_query_len,
         max_seq_len=inputs.max_seq_len,
     )
-    hidden = model(to_device(inputs.input_ids), to_device(inputs.positions), ForwardContext(metadata=metadata, kv_caches=kv_caches))
+    context = ForwardContext(metadata=metadata, kv_caches=kv_caches, lora_slots=inputs.lora_slots)
+    hidden = model(to_device(inputs.input_ids), to_device(inputs.positions), context)
     return [model.compute_logits(hidden[to_device(rows)]) for rows in inputs.logit_rows]
 
 
@@ -71,8 +73,10 @@ class ModelRunner:
     tensor parallelism ``workers`` (ranks 1 and up) receive each step's inputs before
     this rank runs them."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device=None, workers=None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device=None, workers=None,
+                 lora=None) -> None:
         self.model = model
+        self.lora = lora  # the LoRA layers' shared state (row_slots set before each step), or None
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device or "cpu")
@@ -134,6 +138,7 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             logit_rows=groups,
+            lora_slots=self.lora.row_slots if self.lora is not None else None,
         )
         if self.workers is not None:
             self.workers.send_step(inputs)

@@ -73,6 +73,7 @@ class Scheduler:
         max_model_len: int | None = None,
         whole_prompts: bool = False,
         policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         self.pool = pool
         self.grammar = grammar  # GrammarGate: sequences wait in it until their grammar compiles
@@ -82,6 +83,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.whole_prompts = whole_prompts
+        self.max_loras = max_loras  # LoRA: the adapters the running sequences may use at once
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -159,7 +161,7 @@ class Scheduler:
         if batch.num_preempted == by_priority:  # none for lack of blocks: waiting sequences may join
             joined: dict[str | None, int] = {}  # fair: prompt tokens each tenant got this step
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self._next_waiting(joined) if self.policy == "fair" else self.waiting[0]
+                seq = self._next_waiting(joined) if self.policy == "fair" else self._first_admissible()
                 if seq is None:
                     break  # every tenant with work has had its share of this step
                 self.pool.match_prefix(seq)  # cached prefix blocks count as computed
@@ -188,13 +190,33 @@ class Scheduler:
         batch.decode_step = all(seq.num_computed_tokens >= seq.num_tokens - 1 - len(seq.spec_tokens) for seq, _ in batch.items)
         return batch
 
+    def _first_admissible(self) -> Sequence | None:
+        """The first waiting sequence, or with LoRA the first whose adapter is running or
+        can take a free slot (the others wait for one; the base model always can)."""
+        if self.max_loras is None:
+            return self.waiting[0]
+        fits = self._adapter_fits()
+        return next((seq for seq in self.waiting if fits(seq)), None)
+
+    def _adapter_fits(self):
+        """Whether a waiting sequence's LoRA adapter may run now (a test)."""
+        if self.max_loras is None:
+            return lambda seq: True
+        running = {s.lora for s in self.running if s.lora is not None}
+        full = len(running) >= self.max_loras
+        return lambda seq: seq.lora is None or not full or seq.lora in running
+
     def _next_waiting(self, joined: dict[str | None, int]) -> Sequence | None:
         """Fair: the first waiting sequence of the tenant served the fewest tokens, among
         tenants that have not had their share of this step's budget (the budget split
         evenly among the tenants with waiting sequences)."""
         firsts: dict[str | None, Sequence] = {}
+        fits = self._adapter_fits()
         for seq in self.waiting:  # sorted: each tenant's first is its best
-            firsts.setdefault(seq.tenant, seq)
+            if fits(seq):
+                firsts.setdefault(seq.tenant, seq)
+        if not firsts:
+            return None
         share = self.max_num_batched_tokens // len(firsts)
         open_ = [seq for tenant, seq in firsts.items() if joined.get(tenant, 0) < share or len(firsts) == 1]
         if not open_:

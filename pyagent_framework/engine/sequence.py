@@ -45,6 +45,8 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)  # this step's draft, appended to token_ids
     spec_probs: Any = None  # the draft's distribution [len(spec_tokens), vocab], or None (one-hot)
     tenant: str | None = None  # whose request (--scheduling-policy fair)
+    lora: str | None = None  # its LoRA adapter's name (None: the base model)
+    lora_key: str | None = None  # that adapter's identity, in its prefix-cache hash chain
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from pyagent_framework import registries
 from pyagent_framework.engine import loader
 from pyagent_framework.engine.config import EngineConfig
-from pyagent_framework.engine.errors import ConfigError
+from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_transfer import KVTransfer
 from pyagent_framework.engine.speculative import SpeculativeDecoder
 
@@ -77,6 +77,27 @@ def kv_connector_class(config: EngineConfig):
             field="kv_connector",
         )
     return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
+
+
+def make_lora(config: EngineConfig, model: torch.nn.Module, device: Any, ops: Any):
+    """The LoRA slots of ``model`` and the adapters of ``lora_modules`` (None: LoRA
+    off); ``ops`` (the attention backend's layer ops) computes the adapters' part."""
+    if not (config.enable_lora or config.lora_modules):
+        return None
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("LoRA adapters are not served with tensor parallelism yet: use tensor_parallel_size 1 "
+                          "(data parallelism serves them)", field="enable_lora")
+    from pyagent_framework.engine.lora import LoRAManager
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    manager = LoRAManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank, dtype=dtype, device=device,
+                          ops=ops)
+    for name, path in (config.lora_modules or {}).items():
+        try:
+            manager.add(name, path)
+        except InvalidRequestError as exc:
+            raise ConfigError(str(exc), field="lora_modules") from None
+    return manager
 
 
 def make_speculator(config: EngineConfig) -> SpeculativeDecoder | None:

@@ -51,7 +51,7 @@ class AttentionBackend(ABC):
 class LayerOps:
     """The element-wise ops around attention that an attention backend may bring
     fused kernels for: the models call them for their norms, rotary embedding and
-    gated MLP, and the engine for grammar masks.
+    gated MLP, and the engine for grammar masks and LoRA adapters.
 
     A backend names its ops in the class attribute ``layer_ops`` (see
     :func:`layer_ops`); this base class is the plain-torch definition every override
@@ -94,6 +94,23 @@ class LayerOps:
 
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def add_lora(self, out: Any, x: Any, lora_a: Any, lora_b: Any, groups: Any, row_slots: Any) -> None:
+        """In place, each row's LoRA adapter (a batch may mix several and the base
+        model): ``out[r] += lora_b[s] @ (lora_a[s] @ x[r])`` for every row ``r`` whose
+        slot ``s = row_slots[r]`` is not -1. ``x`` is ``[T, in]``, ``out`` ``[T, out]``,
+        ``lora_a`` ``[slots, R, in]``, ``lora_b`` ``[slots, out, R]`` (the adapter's scale
+        folded in), ``row_slots`` int ``[T]``; ``groups`` is the same as ``[(slot, row
+        indices)]``, for implementations that batch by adapter (this one: one gather,
+        two GEMMs and one scatter-add per adapter)."""
+        for slot, rows in groups:
+            whole = rows.numel() == x.shape[0]
+            xs = x if whole else x.index_select(0, rows)
+            delta = ((xs.to(lora_a.dtype) @ lora_a[slot].T) @ lora_b[slot].T).to(out.dtype)
+            if whole:
+                out += delta
+            else:
+                out.index_add_(0, rows, delta)
 
     def apply_token_bitmask(self, logits: Any, bitmask: Any, indices: Any = None) -> None:
         """In place: set to ``-inf`` every logit whose bit is clear. ``bitmask`` is

@@ -15,7 +15,9 @@ and pyagent-quant's PackedLinear and PackedPartsLinear do) or is a float32 CPU
 ``nn.Linear``. Anything else (another dtype, a module the core cannot read) leaves the
 model on its Python path.
 
-An operand is one of
+An operand is one of (each may also carry a LoRA layer's ``lora_a`` ``[slots, R, K]``
+and ``lora_b`` ``[slots, N, R]``, float32: a call's ``lora_slots`` then adds each row's
+adapter, as the engine's ``LoRALinear`` does)
 
 - ``{"weight", "bias"}``: float32 ``[N, K]``, bias ``[N]`` or None;
 - ``{"data", "encoding", "group", "bias", "activations"}``: packed rows
@@ -102,9 +104,17 @@ class FusedDecoder:
         )
         return cls(stack)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list, metadata) -> bool:
+    @property
+    def supports_lora(self) -> bool:
+        """Whether the stack's layers carry LoRA adapters (operands with ``lora_a`` and
+        ``lora_b``): then a call may pass each row's slot as ``lora_slots``."""
+        return bool(self._stack.has_lora)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list, metadata,
+                 lora_slots: torch.Tensor | None = None) -> bool:
         """Advance ``x [T, hidden]`` (float32, in place) through every layer when the
-        batch is pure decode on the CPU; returns False (nothing done) otherwise."""
+        batch is pure decode on the CPU; returns False (nothing done) otherwise.
+        ``lora_slots`` (int ``[T]``, -1: none) adds each row's LoRA adapter."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
             return False
         plan = attention_plan(metadata, x.device)
@@ -123,5 +133,6 @@ class FusedDecoder:
             decode.block_tables.numpy(),
             decode.seq_lens.numpy(),
             torch.get_num_threads(),
+            None if lora_slots is None else lora_slots.to(torch.int32).contiguous().numpy(),
         )
         return True

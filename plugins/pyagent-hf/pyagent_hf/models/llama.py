@@ -113,6 +113,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.hidden_size = hidden_size
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         # Under tensor parallelism the heads are this rank's and o_proj is row-parallel:
@@ -180,6 +181,7 @@ class MLP(nn.Module):
         self, hidden_size: int, intermediate_size: int, bias: bool, ops: LayerOps | None = None, *, reduce: bool = True
     ) -> None:
         super().__init__()
+        self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -411,8 +413,12 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
         x = self._embed(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, self._token_seq_lens(context, positions), dtype=x.dtype)
         fused = self._fused_decoder() if context is not None else None
-        if fused is not None and fused(x, cos, sin, context.kv_caches, context.metadata):
-            return self.model.norm(x)
+        # LoRA adapters in this batch (each row's slot): only a fused step that reads them may run it.
+        lora_slots = getattr(context, "lora_slots", None)
+        if fused is not None and (lora_slots is None or getattr(fused, "supports_lora", False)):
+            extra = {} if lora_slots is None else {"lora_slots": lora_slots}
+            if fused(x, cos, sin, context.kv_caches, context.metadata, **extra):
+                return self.model.norm(x)
         residual = None
         for layer, kv_cache in zip(self.model.layers, context.kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, context)
@@ -516,6 +522,27 @@ class LlamaForCausalLM(nn.Module, ModelArchitecture):
             elif split and leaf in ("embed_tokens", "lm_head"):
                 take = (0, *vocab)
             targets[name] = (param, 0, param.shape[0], take)
+        return targets
+
+    def lora_targets(self) -> dict[str, tuple[str, int, int, int]]:
+        """LoRA: checkpoint linear name -> (our linear's name, its first output row,
+        rows, input features), for the attention and dense MLP projections. A fused
+        layer is adapted part by part (``q_proj`` ...) or whole (Phi-3's ``qkv_proj``)."""
+        targets: dict[str, tuple[str, int, int, int]] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, Attention):
+                q, kv, hidden = module.q_size, module.kv_size, module.hidden_size
+                fused, parts = f"{name}.qkv_proj", (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
+                targets[f"{name}.o_proj"] = (f"{name}.o_proj", 0, hidden, q)
+            elif isinstance(module, MLP) and ".experts." not in name:  # a MoE's experts are not adapted
+                inter, hidden = module.intermediate_size, module.hidden_size
+                fused, parts = f"{name}.gate_up_proj", (("gate_proj", 0, inter), ("up_proj", inter, inter))
+                targets[f"{name}.down_proj"] = (f"{name}.down_proj", 0, hidden, inter)
+            else:
+                continue
+            for part, offset, rows in parts:
+                targets[f"{name}.{part}"] = (fused, offset, rows, hidden)
+            targets[fused] = (fused, 0, sum(rows for _, _, rows in parts), hidden)
         return targets
 
     def _fused_take(self, leaf: str) -> Any:
