@@ -169,6 +169,20 @@ def pyagent_register_proposers(register):
 
 
 @hookspec
+def pyagent_register_logits_processors(register):
+    """Register logits processors.
+
+    Called once per process on first use of ``registries.logits_processors``. Each
+    entry is a class satisfying :class:`pyagent_framework.interfaces.LogitsProcessor`,
+    built per request as ``cls(**args)`` from the request's arguments; each step the
+    engine calls its ``apply(logits, rows)`` once for all the rows of the batch that
+    chose it. Selected per request by name:
+    ``SamplingParams(logits_processors=[{"name": NAME, "args": {...}}])``, or the
+    ``logits_processors`` field of a completions or chat request.
+    """
+
+
+@hookspec
 def pyagent_register_chat_templates(register):
     """Register named chat templates.
 

@@ -52,6 +52,7 @@ kv_connectors = _registry("kv_connector", interfaces.KVConnector)
 eviction_policies = _registry("eviction_policy", interfaces.EvictionPolicy)
 chat_templates = _registry("chat_template", interfaces.ChatTemplateSource)
 proposers = _registry("proposer", interfaces.Proposer)
+logits_processors = _registry("logits_processor", interfaces.LogitsProcessor)
 
 #: Plural name (as in ``pyagent_register_<plural>``) -> registry.
 REGISTRIES: dict[str, Registry] = {
@@ -67,6 +68,7 @@ REGISTRIES: dict[str, Registry] = {
     "eviction_policies": eviction_policies,
     "chat_templates": chat_templates,
     "proposers": proposers,
+    "logits_processors": logits_processors,
 }
 
 #: Singular kind name ("tool_parser") -> registry.

@@ -51,10 +51,14 @@ class ForwardContext:
     """Everything a model's layers need for one forward pass besides the tokens.
 
     ``kv_caches[i]`` is layer ``i``'s paged cache (see :class:`AttentionMetadata`).
+    ``lora_slots``: with LoRA adapters in the batch, each token row's adapter slot
+    (int ``[num_tokens]``, -1: the base model), for a whole-stack step that computes
+    them (the layers themselves are the engine's ``LoRALinear``\s); None otherwise.
     """
 
     metadata: AttentionMetadata
     kv_caches: "list[torch.Tensor]"
+    lora_slots: "torch.Tensor | None" = None
 
 
 # --------------------------------------------------------------------------- grammar
@@ -185,3 +189,19 @@ class Draft:
 
     tokens: list[int]
     probs: Any = None
+
+
+# --------------------------------------------------------------------------- logits processors
+
+
+@dataclass
+class LogitsRow:
+    """One sequence's row for a logits processor: ``processor`` is the request's own
+    instance (built from its arguments), ``prompt_token_ids`` and ``output_token_ids``
+    its tokens so far (read-only), ``stop_token_ids`` the tokens that would end it now
+    (the model's end-of-sequence tokens unless ``ignore_eos``, and ``stop_token_ids``)."""
+
+    processor: Any
+    prompt_token_ids: "Sequence[int]"
+    output_token_ids: "Sequence[int]"
+    stop_token_ids: frozenset[int] = frozenset()

@@ -46,6 +46,21 @@ def pyagent_register_quantizers(register):
 
 
 @hookimpl
+def pyagent_register_logits_processors(register):
+    register(
+        "no_repeat_ngram",
+        "pyagent_framework.builtins.logits_processors:NoRepeatNGram",
+        description="bars tokens that would repeat an n-gram of the prompt and output (args: n)",
+    )
+    register(
+        "min_length",
+        "pyagent_framework.builtins.logits_processors:MinLength",
+        aliases=("min_new_tokens",),
+        description="bars stop tokens (or token_ids) until min_new_tokens are generated (args: min_new_tokens, token_ids)",
+    )
+
+
+@hookimpl
 def pyagent_register_chat_templates(register):
     # Lazy targets: the renderer (pyagent_framework.chat_templates) is front end, a layer
     # above this one, and is imported when a template is first loaded.

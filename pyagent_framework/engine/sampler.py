@@ -1,11 +1,11 @@
 """From logits to tokens: logit processors, penalties, truncation masks, sampling
 and logprobs, for a batch of sequences with different parameters.
 
-Order (as in vLLM): allowed_token_ids, bad_words, logit_bias and min_tokens masks, repetition / frequency /
-presence penalties, temperature, then top-k, top-p and min-p truncation, then
-sampling. Logprobs are those of the raw model distribution. Each seeded sequence
-draws from its own generator, exactly once per sampled token, so its samples do not
-depend on what else is in the batch.
+Order (as in vLLM): allowed_token_ids, bad_words, logit_bias and min_tokens masks, the request's logits
+processors (:mod:`pyagent_framework.engine.logits_processors`), repetition / frequency / presence
+penalties, temperature, then top-k, top-p and min-p truncation, then sampling. Logprobs are
+those of the raw model distribution. Each seeded sequence draws from its own generator,
+exactly once per sampled token, so its samples do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyagent_framework.engine.logits_processors import LogitsProcessors
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.messages import TokenLogprobs
 
@@ -25,6 +26,7 @@ NEG_INF = float("-inf")
 class SampleResult:
     token_id: int
     logprobs: TokenLogprobs | None = None  # the chosen token's and the top alternatives (raw distribution)
+    error: str | None = None  # this row failed (its logits processor raised): no token, the sequence fails
 
 
 def apply_penalties(
@@ -94,6 +96,7 @@ class Sampler:
     def __init__(self, *, eos_token_ids: frozenset[int], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator().manual_seed(seed)
+        self.logits_processors = LogitsProcessors()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int] = frozenset()) -> list[SampleResult]:
         """One token per row of ``logits`` (float32 ``[len(seqs), vocab]``, on any device).
@@ -108,8 +111,9 @@ class Sampler:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        failed: dict[int, str] = {}  # row -> why its logits processor failed it
         if any(_needs_processing(s, constrained) for s in seqs):
-            logits = self._process(logits.clone(), seqs, constrained)  # the caller's logits stay raw
+            logits = self._process(logits.clone(), seqs, constrained, failed)  # the caller's logits stay raw
 
         greedy = [s.params.greedy for s in seqs]
         token_ids = torch.empty(len(seqs), dtype=torch.long)
@@ -130,13 +134,17 @@ class Sampler:
             token_ids[rows] = self._draw(probs, [seqs[i] for i in rows])
 
         results = [SampleResult(int(t)) for t in token_ids.tolist()]
+        for row, message in failed.items():
+            results[row] = SampleResult(-1, error=message)
         if raw_logprobs is not None:
             for row, (seq, result) in enumerate(zip(seqs, results)):
-                if seq.params.logprobs is not None:
+                if seq.params.logprobs is not None and result.error is None:
                     result.logprobs = top_logprobs(raw_logprobs[row], result.token_id, seq.params.logprobs)
         return results
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int]) -> torch.Tensor:
+    def _process(
+        self, logits: torch.Tensor, seqs: list[Sequence], constrained: frozenset[int], failed: dict[int, str]
+    ) -> torch.Tensor:
         for row, seq in enumerate(seqs):
             params = seq.params
             if params.allowed_token_ids:
@@ -156,6 +164,8 @@ class Sampler:
                     banned |= self.eos_token_ids
                 if banned:
                     logits[row, torch.tensor(sorted(banned), dtype=torch.long)] = NEG_INF
+        if any(s.params.logits_processors for s in seqs):
+            failed.update(self.logits_processors.apply(logits, seqs, [self._stop_tokens(s.params) for s in seqs]))
         if any(
             s.params.repetition_penalty != 1.0 or s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0
             for s in seqs
@@ -169,6 +179,12 @@ class Sampler:
                 [s.params.presence_penalty for s in seqs],
             )
         return logits
+
+    def _stop_tokens(self, params) -> frozenset[int]:
+        """The tokens that would end a sequence now: end of sequence unless ``ignore_eos``,
+        and its ``stop_token_ids``."""
+        stops = frozenset(params.stop_token_ids or ())
+        return stops if params.ignore_eos else stops | self.eos_token_ids
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
@@ -199,6 +215,7 @@ def _needs_processing(seq: Sequence, constrained: frozenset[int]) -> bool:
         params.allowed_token_ids
         or params.bad_words_token_ids
         or params.logit_bias
+        or params.logits_processors
         or (seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained)
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0

@@ -22,8 +22,8 @@ draft tokens as computed (their keys and values are already in the cache) and gi
 back the blocks that only held rejected ones.
 
 Which requests take part: those with ``speculative`` on (the default) and none of
-logprobs, penalties, ``logit_bias`` or a pending ``min_tokens`` (their per-token
-processing is not yet replayed over a draft), and no ``seed`` when sampled (a seeded
+logprobs, penalties, ``logit_bias``, logits processors or a pending ``min_tokens`` (their
+per-token processing is not yet replayed over a draft), and no ``seed`` when sampled (a seeded
 request's draws must not depend on draft lengths); the others decode one token a step
 as before, in the same batch. A request with a grammar takes part once the grammar
 constrains it (not while a reasoning parser lets it think freely): the engine walks its
@@ -123,6 +123,7 @@ class SpeculativeDecoder:
             and not params.logit_bias
             and not params.allowed_token_ids
             and not params.bad_words_token_ids
+            and not params.logits_processors  # applied to one row per step, never along a draft
             and seq.num_output_tokens >= params.min_tokens
             and seq.seq_id not in held  # a grammar drafts once it constrains
             # A seeded request draws once per token from its own generator (its samples

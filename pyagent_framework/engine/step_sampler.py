@@ -58,7 +58,9 @@ class StepSampler:
             for seq, error in self.grammar.apply_masks(logits.sample_logits, seqs):
                 sampled.fail(seq, str(error))
             for seq, result in zip(seqs, self._sample_rows(logits.sample_logits, seqs, sampled)):
-                if result is not None and seq.seq_id not in sampled.failed:
+                if result is not None and result.error is not None:  # its logits processor raised
+                    sampled.fail(seq, result.error)
+                elif result is not None and seq.seq_id not in sampled.failed:
                     sampled.tokens[seq.seq_id] = [result]
         for seq, _ in batch.items:
             if seq.seq_id in logits.spec_rows and seq.seq_id not in sampled.failed:

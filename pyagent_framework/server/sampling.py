@@ -82,6 +82,9 @@ class SamplingMixin:
             best_of=getattr(req, "best_of", None),
             bad_words=req.bad_words,
             allowed_token_ids=req.allowed_token_ids,
+            logits_processors=None if req.logits_processors is None else [
+                p if isinstance(p, str) else {"name": p.name, "args": p.args or {}} for p in req.logits_processors
+            ],
             # A stream takes each step's new text only (O(n) in its length); a whole
             # response the cumulative outputs (each step's tokens count in the metrics).
             output_kind="delta" if getattr(req, "stream", False) else "cumulative",
