@@ -8,3 +8,9 @@ TEXT_MODEL_NO_EMBEDDINGS = ("this model generates text; embeddings need an embed
                             "BERT or all-MiniLM-L6-v2)")
 EMBEDDING_MODEL_NO_TEXT = ("this model is an embedding model (an encoder): it makes embeddings (LLM.embed, "
                            "/v1/embeddings) and generates no text")
+CROSS_ENCODER_NO_TEXT = ("this model is a cross-encoder (a sequence classifier): it scores text pairs (LLM.score, "
+                         "/v1/score, /rerank) and generates no text")
+CROSS_ENCODER_NO_EMBEDDINGS = ("this model is a cross-encoder (a sequence classifier): it scores text pairs (LLM.score, "
+                               "/v1/score, /rerank) and makes no embeddings")
+TEXT_MODEL_NO_SCORES = ("this model generates text; scores need a cross-encoder (BertForSequenceClassification and "
+                        "the like) or an embedding model")

@@ -31,7 +31,8 @@ from pyagent_framework.engine.pooling import PoolingConfig, pool
 from pyagent_framework.engine.profiling import Profiler
 from pyagent_framework.engine.scheduler import Scheduler
 from pyagent_framework.engine.sequence import Sequence
-from pyagent_framework.interfaces import EncoderArchitecture
+from pyagent_framework.engine.scoring import activate, score_activation
+from pyagent_framework.interfaces import CrossEncoderArchitecture, EncoderArchitecture
 from pyagent_framework.messages import AddRequest, CoreError, CoreInfo, CoreOutput, CoreOutputs, ErrorCode, TensorBuffer
 
 logger = logging.getLogger("pyagent_framework.engine")
@@ -73,6 +74,9 @@ class PoolingCore:
                               field="speculative_method")
         if config.kv_connector:
             raise ConfigError("an embedding model keeps no KV cache for a connector to move; drop kv_connector", field="kv_connector")
+        if config.enable_lora or config.lora_modules:
+            raise ConfigError("LoRA adapters are served on generative models only; drop enable_lora and lora_modules",
+                              field="enable_lora")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = loader.choose_device(config.device)
@@ -86,6 +90,11 @@ class PoolingCore:
             device=self.device,
         )
         self.pooling = PoolingConfig.from_model_dir(model_path, config.pooling, config.normalize)
+        # A cross-encoder's output is its classifier's: num_labels scores per input.
+        self.task = "classify" if isinstance(self.model, CrossEncoderArchitecture) else "embed"
+        self.num_labels = int(self.model.num_labels) if self.task == "classify" else 0
+        self.num_token_types = max(1, int(model_config.get("type_vocab_size", 2)))  # as the encoder sizes its table
+        self.activation = score_activation(model_config, self.num_labels) if self.task == "classify" else None
         limits = [setup.max_model_len(config, model_config), int(self.model.max_positions)]
         if config.max_model_len is None and self.pooling.max_seq_length:
             limits.append(self.pooling.max_seq_length)  # sentence-transformers' own limit
@@ -102,6 +111,7 @@ class PoolingCore:
             max_model_len=self.max_model_len, whole_prompts=True,
         )
         self.requests: dict[str, Sequence] = {}
+        self.token_types: dict[str, list[int]] = {}  # a text pair's segments, where any is not 0
         self.num_embedded = 0
         self.num_request_errors = 0
         self.step_times = StepTimes()
@@ -120,7 +130,8 @@ class PoolingCore:
             task=self.task,
             hidden_size=self.hidden_size,
             matryoshka=self.matryoshka,
-            normalize=self.pooling.normalize,
+            normalize=self.pooling.normalize and self.task == "embed",
+            num_labels=self.num_labels,
         )
 
     # ------------------------------------------------------------------ requests
@@ -136,13 +147,20 @@ class PoolingCore:
         if not ids or len(ids) > self.max_model_len:
             raise InvalidRequestError(f"the input has {len(ids)} tokens; this model reads 1 to {self.max_model_len}",
                                       param="input")
+        types = request.token_type_ids
+        if types is not None and (len(types) != len(ids) or not all(0 <= t < self.num_token_types for t in types)):
+            raise InvalidRequestError(f"token_type_ids must hold one of 0..{self.num_token_types - 1} for each of the "
+                                      f"{len(ids)} tokens", param="token_type_ids")
         seq = Sequence(request.request_id, ids, len(ids), request.params, request.arrival_time, self.max_model_len, None)
         self.scheduler.add(seq)
         self.requests[request.request_id] = seq
+        if request.token_type_ids is not None and any(request.token_type_ids):
+            self.token_types[request.request_id] = list(request.token_type_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             seq = self.requests.pop(request_id, None)
+            self.token_types.pop(request_id, None)
             if seq is not None:
                 self.scheduler.remove(seq)
 
@@ -157,7 +175,9 @@ class PoolingCore:
             return CoreOutputs([], time.time())
         seqs = [seq for seq, _ in batch.items]
         try:
-            vectors = self.embed([seq.token_ids[: seq.num_prompt_tokens] for seq in seqs])
+            prompts = [seq.token_ids[: seq.num_prompt_tokens] for seq in seqs]
+            types = [self.token_types.pop(seq.request_id, None) for seq in seqs]
+            vectors = self.embed(prompts, types) if any(t is not None for t in types) else self.embed(prompts)
         except Exception as exc:
             raise ModelForwardError(f"the model forward failed: {type(exc).__name__}: {exc}") from exc
         outputs = []
@@ -177,14 +197,23 @@ class PoolingCore:
         self.step_times.observe(time.perf_counter() - batch.started)
         return CoreOutputs(outputs, time.time())
 
-    def embed(self, prompts: list[list[int]]) -> torch.Tensor:
-        """The pooled (not normalized) float32 vectors of these token-id prompts."""
+    def embed(self, prompts: list[list[int]], token_types: list[list[int] | None] | None = None) -> torch.Tensor:
+        """The pooled (not normalized) float32 vectors of these token-id prompts; for a
+        cross-encoder, its scores (the classifier's logits through the model's
+        activation), ``[num_prompts, num_labels]``. ``token_types``: each prompt's
+        segments (None: all 0)."""
         lengths = torch.tensor([len(p) for p in prompts])
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(self.device)
         starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(self.device)
+        types = None
+        if token_types is not None and any(t is not None for t in token_types):
+            types = torch.tensor([t for p, kinds in zip(prompts, token_types) for t in (kinds or [0] * len(p))],
+                                 dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, positions, starts)
+            hidden = self.model(ids, positions, starts, types)
+            if self.task == "classify":
+                return activate(self.model.classify(hidden, starts).float(), self.activation).cpu()
             unit = PoolingConfig(self.pooling.mode, False)
             return pool(hidden, starts, unit).cpu()
 

@@ -63,3 +63,19 @@ class EncoderArchitecture(ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]: ...
+
+
+class CrossEncoderArchitecture(EncoderArchitecture):
+    """An encoder with a sequence-classification head (a cross-encoder: BERT's or
+    RoBERTa's ``...ForSequenceClassification``), which reads a pair of texts as one
+    sequence and scores it. The engine serves it for ``/v1/score`` and ``/rerank``.
+
+    - ``num_labels``: how many numbers :meth:`classify` gives per sequence.
+    - ``classify(hidden, query_start_loc)``: the head over :meth:`forward`'s hidden
+      states; returns float32 logits ``[num_seqs, num_labels]`` (no activation).
+    """
+
+    num_labels: int
+
+    @abstractmethod
+    def classify(self, hidden: Any, query_start_loc: Any) -> Any: ...

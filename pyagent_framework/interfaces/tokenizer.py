@@ -51,3 +51,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (for grammars and logprobs)."""
+
+    def encode_pair(self, first: str, second: str, *, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """A pair of texts as one sequence, as the model's tokenizer pairs them (for a
+        cross-encoder): ``(ids, token_type_ids)``, the second segment's types 1 where the
+        model has segment types. ``max_length``: cut the longer text first until the
+        pair fits. A tokenizer that cannot pair texts raises ValueError."""
+        raise ValueError(f"the {type(self).__name__} tokenizer does not encode text pairs (a cross-encoder needs one that does)")

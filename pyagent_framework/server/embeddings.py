@@ -21,6 +21,9 @@ from pyagent_framework.server.errors import APIError
 class EmbeddingsMixin:
     async def embeddings(self, req: api.EmbeddingRequest) -> api.EmbeddingResponse:
         self.check_model(req.model)
+        if self.engine.engine.task == "classify":
+            raise APIError(400, f"the model {self.model_name!r} is a cross-encoder: it serves /v1/score and /rerank and "
+                                "makes no embeddings", param="model")
         if self.engine.engine.task != "embed":
             raise APIError(400, f"the model {self.model_name!r} generates text; embeddings need an embedding model "
                                 "(serve an encoder such as all-MiniLM-L6-v2)", param="model")

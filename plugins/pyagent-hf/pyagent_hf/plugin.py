@@ -30,6 +30,12 @@ ENCODERS = {
     "RobertaModel": "bert",
     "XLMRobertaModel": "bert",
 }
+#: Cross-encoders for /v1/score and /rerank (pyagent_framework.interfaces.CrossEncoderArchitecture).
+CROSS_ENCODERS = {
+    "BertForSequenceClassification": "bert_classifier",
+    "RobertaForSequenceClassification": "bert_classifier",
+    "XLMRobertaForSequenceClassification": "bert_classifier",
+}
 
 
 @hookimpl
@@ -62,3 +68,6 @@ def pyagent_register_model_architectures(register):
         register(name, f"pyagent_hf.models.{module}:{name}", description=f"{name} in plain torch (pyagent attention backends)")
     for name, module in ENCODERS.items():
         register(name, f"pyagent_hf.models.{module}:{name}", description=f"{name} encoder in plain torch, for embeddings")
+    for name, module in CROSS_ENCODERS.items():
+        register(name, f"pyagent_hf.models.{module}:{name}",
+                 description=f"{name} cross-encoder in plain torch, for scores and reranking")

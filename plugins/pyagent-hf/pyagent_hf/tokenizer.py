@@ -217,6 +217,15 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, first: str, second: str, *, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """As the tokenizer pairs texts for a cross-encoder (``tokenizer(first, second)``),
+        ``longest_first`` truncation to ``max_length``."""
+        cut = {"truncation": "longest_first", "max_length": max_length} if max_length is not None else {}
+        encoded = self.hf_tokenizer(first, second, return_token_type_ids=True, **cut)
+        ids = list(encoded["input_ids"])
+        types = encoded.get("token_type_ids")
+        return ids, list(types) if types is not None else [0] * len(ids)
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """As transformers decodes: ids the vocabulary lacks are dropped."""
         return self.hf_tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

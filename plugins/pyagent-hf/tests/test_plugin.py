@@ -24,6 +24,11 @@ ENTRIES = [
     ("model_architectures", "BertModel", "pyagent_hf.models.bert:BertModel"),
     ("model_architectures", "RobertaModel", "pyagent_hf.models.bert:RobertaModel"),
     ("model_architectures", "XLMRobertaModel", "pyagent_hf.models.bert:XLMRobertaModel"),
+    ("model_architectures", "BertForSequenceClassification", "pyagent_hf.models.bert_classifier:BertForSequenceClassification"),
+    ("model_architectures", "RobertaForSequenceClassification",
+     "pyagent_hf.models.bert_classifier:RobertaForSequenceClassification"),
+    ("model_architectures", "XLMRobertaForSequenceClassification",
+     "pyagent_hf.models.bert_classifier:XLMRobertaForSequenceClassification"),
 ]
 
 

@@ -158,6 +158,8 @@ class BertModel(nn.Module, EncoderArchitecture):
 
     #: Checkpoint name prefixes of the task models that wrap the encoder.
     prefixes: ClassVar[tuple[str, ...]] = ("bert.", "model.")
+    #: Checkpoint name prefixes (after the task prefix) this model does not read.
+    unused_prefixes: ClassVar[tuple[str, ...]] = UNUSED_PREFIXES
 
     def __init__(self, config: Mapping[str, Any], **_: Any) -> None:
         super().__init__()
@@ -203,7 +205,7 @@ class BertModel(nn.Module, EncoderArchitecture):
                 if key.startswith(prefix):
                     key = key[len(prefix):]
                     break
-            if key.startswith(UNUSED_PREFIXES) or key.endswith(UNUSED_SUFFIXES):
+            if key.startswith(self.unused_prefixes) or key.endswith(UNUSED_SUFFIXES):
                 continue
             key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
             param = params.get(key)
