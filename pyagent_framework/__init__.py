@@ -15,7 +15,7 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "AsyncLLM", "LLM", "OutputParsers", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "BeamSearchParams", "LLM", "OutputParsers", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
 
 # Imported on first use: `import pyagent_framework` stays free of torch.
 _LAZY = {
@@ -24,6 +24,7 @@ _LAZY = {
     "AsyncLLM": ("pyagent_framework.engine.async_llm", "AsyncLLM"),
     "OutputParsers": ("pyagent_framework.engine.output_parsers", "OutputParsers"),
     "SamplingParams": ("pyagent_framework.engine.params", "SamplingParams"),
+    "BeamSearchParams": ("pyagent_framework.engine.beam_search", "BeamSearchParams"),
     "StructuredOutputsParams": ("pyagent_framework.engine.params", "StructuredOutputsParams"),
 }
 

@@ -40,6 +40,14 @@ class CoreError(msgspec.Struct, frozen=True):
     field: str | None = None  # the request parameter or config field it names
 
 
+class LogitsProcessorSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A logits processor a request chose: its registry name and the arguments it is
+    built with (``cls(**args)``; JSON values, checked by the front end)."""
+
+    name: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the engine core reads of a request's sampling parameters, validated by the
     front end. Stop strings, detokenization options and ``n`` stay in the front end
@@ -64,6 +72,7 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     speculative: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # each word's ids (and with a leading space)
+    logits_processors: list[LogitsProcessorSpec] | None = None  # applied in this order
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +135,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, omit_defaults=True):
     grammar: GrammarRequest | None = None
     embed: bool = False  # an embedding: the prompt's pooled hidden states, nothing generated
     tenant: str | None = None  # whose request, for --scheduling-policy fair
+    lora: str | None = None  # the LoRA adapter (by name) it is generated with; None: the base model
+    token_type_ids: list[int] | None = None  # a text pair's segments, for a cross-encoder (embed); None: all 0
 
 
 class AddRequests(msgspec.Struct, frozen=True, tag=True):
@@ -190,10 +201,13 @@ class CoreInfo(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     block_size: int
     pid: int
-    task: str = "generate"  # "embed": an encoder, which serves embedding requests only
+    task: str = "generate"  # "embed": an encoder, which serves embedding requests only; "classify": a cross-encoder
     hidden_size: int = 0  # an embedding's length (embed)
     matryoshka: bool = False  # whether an embedding may be cut to fewer dimensions (embed)
     normalize: bool = True  # whether embeddings are scaled to unit length unless a request says (embed)
+    num_labels: int = 0  # a cross-encoder's logits per input (task "classify"): its "embedding" is them
+    lora_adapters: list[str] = []  # the LoRA adapters loaded at start (--lora-modules)
+    max_loras: int = 0  # LoRA slots (0: LoRA is off)
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):

@@ -41,6 +41,12 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"),  # a text model here: every body is a 4xx, never a 5xx
+    ("POST", "/v1/score"),  # as /v1/embeddings: a 4xx on a text model
+    ("POST", "/rerank"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -85,3 +91,21 @@ def test_no_server_errors_from_an_embedding_model():
         check()
         status, body = server.post_json("/v1/embeddings", {"model": "minilm", "input": "still serving"})
         assert status == 200 and len(body["data"][0]["embedding"]) == 384
+
+
+def test_no_server_errors_from_a_cross_encoder(tmp_path):
+    """/v1/score and /rerank generated the same way against a cross-encoder, which serves them."""
+    from tests.test_score import cross_encoder
+
+    with server_process("--model", cross_encoder(tmp_path, "bert"), "--served-model-name", "ce") as server:
+        api = schemathesis.openapi.from_url(server.url + "/openapi.json")
+        for path in ("/v1/score", "/rerank"):
+
+            @given(case=api[path]["POST"].as_strategy())
+            @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            def check(case):
+                case.call_and_validate(base_url=server.url, timeout=60, excluded_checks=EXCLUDED)
+
+            check()
+        status, body = server.post_json("/rerank", {"query": "still", "documents": ["serving", "now"]})
+        assert status == 200 and len(body["results"]) == 2

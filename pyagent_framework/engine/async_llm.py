@@ -24,8 +24,11 @@ import traceback
 from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
+from pyagent_framework.engine import beam_search, scoring
+from pyagent_framework.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
+from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
@@ -137,14 +140,16 @@ class AsyncLLM:
         cache_salt: str | None = None,
         parsers: OutputParsers | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request (raising InvalidRequestError for bad input, a grammar no
         backend compiles included) and return a :class:`RequestStream` of its outputs;
-        closing it early aborts it. ``cache_salt``, ``parsers``, ``tenant``: see
-        :meth:`InputProcessor.process`."""
+        closing it early aborts it. ``cache_salt``, ``parsers``, ``tenant``, ``lora`` (a
+        loaded LoRA adapter's name): see :meth:`InputProcessor.process`."""
         self._check_alive()
         request_id = request_id or f"req-{next(self._ids)}"
         engine = self.engine
+        engine.check_lora(lora)
         state, adds = engine.input_processor.process(
             request_id,
             prompt,
@@ -153,6 +158,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             parsers=parsers,
             tenant=tenant,
+            lora=lora,
         )
         queue: asyncio.Queue = asyncio.Queue()
         engine.output_processor.add(state)
@@ -167,6 +173,47 @@ class AsyncLLM:
             raise
         return RequestStream(self, request_id, queue)
 
+    async def beam_search(
+        self,
+        prompts: Seq[str | Seq[int]],
+        params: BeamSearchParams,
+        *,
+        max_beam_width: int | None = None,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        lora: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """:meth:`LLM.beam_search` for asyncio callers: each prompt's
+        ``params.beam_width`` best hypotheses, best first. Raises InvalidRequestError
+        naming a bad field (``max_beam_width``: the caller's cap on ``beam_width``) and
+        RuntimeError if a step's request fails. Cancelling aborts the step under way;
+        nothing of the search is left in the engine."""
+        self._check_alive()
+        engine = self.engine
+        searches = []
+        for prompt in prompts:
+            text, ids = engine.tokenize_prompt(prompt)
+            if len(ids) >= engine.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens; the context window is {engine.max_model_len}", param="prompt")
+            limits = {} if max_beam_width is None else {"max_beam_width": max_beam_width}
+            params.validate(num_eos=len(engine.eos_token_ids), max_tokens=engine.max_model_len - len(ids), **limits)
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, text))
+
+        async def step(step_prompts: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
+            streams = []
+            try:
+                for step_prompt in step_prompts:
+                    streams.append(await self.add_request(step_prompt, step_params, cache_salt=cache_salt, tenant=tenant,
+                                                          lora=lora))
+                return list(await asyncio.gather(*(_final(stream) for stream in streams)))
+            finally:
+                for stream in streams:  # those not finished (a cancelled or failed step): aborted
+                    stream.close()
+
+        await beam_search.run_async(searches, step)
+        return [search.output(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)) for search in searches]
+
     async def embed(
         self, prompts: Seq[str | Seq[int]], params: PoolingParams | None = None, *, request_id: str | None = None, **options: Any
     ) -> list[EmbeddingRequestOutput]:
@@ -177,6 +224,34 @@ class AsyncLLM:
         self._check_alive()
         base = request_id or f"emb-{next(self._ids)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
+        return await self._pooling(ids, lambda: self.engine.add_embed_requests_nowait(
+            [(rid, p, params) for rid, p in zip(ids, prompts)], **options))
+
+    async def score(
+        self, text_1: str | Seq[str], text_2: str | Seq[str], *, truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None, priority: int = 0, max_pairs: int | None = None,
+    ) -> list[scoring.ScoringRequestOutput]:
+        """:meth:`LLM.score` for asyncio callers: every pair's score, in order; raises
+        InvalidRequestError for bad input (``max_pairs``: the caller's cap on the
+        number of pairs). A failure while one runs comes back in its output's
+        ``error``. Cancelling aborts those not done."""
+        self._check_alive()
+        task = scoring.check_scorer(self.engine)
+        pairs = scoring.pair_up(text_1, text_2, limit=max_pairs)
+        base = request_id or f"score-{next(self._ids)}"
+        ids = [f"{base}-{i}" for i in range(len(pairs))]
+        if task == "embed":
+            texts = scoring.unique_texts(pairs)
+            params = PoolingParams(truncate_prompt_tokens, normalize=True)
+            embedded = await self.embed(texts, params, request_id=f"{base}-text", priority=priority)
+            return scoring.cosines(ids, pairs, dict(zip(texts, embedded)))
+        outputs = await self._pooling(ids, lambda: self.engine.add_score_requests_nowait(
+            [(rid, a, b) for rid, (a, b) in zip(ids, pairs)], truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority))
+        return [scoring.classified(out) for out in outputs]
+
+    async def _pooling(self, ids: list[str], add: Callable[[], list]) -> list[EmbeddingRequestOutput]:
+        """Outputs of pooling requests ``add()`` queues under ``ids``, in order."""
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in ids]
         with self._streams_lock:
@@ -184,7 +259,7 @@ class AsyncLLM:
                 self._streams[rid] = (loop, queue)
         streams = [RequestStream(self, rid, queue) for rid, queue in zip(ids, queues)]
         try:
-            pending = self.engine.add_embed_requests_nowait([(rid, p, params) for rid, p in zip(ids, prompts)], **options)
+            pending = add()
             for _, acks in pending:
                 for ack in acks:
                     await _wait(ack)
@@ -196,6 +271,16 @@ class AsyncLLM:
         finally:
             for stream in streams:
                 stream.close()  # those not finished: aborted
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter in the engine (between its steps)."""
+        self._check_alive()
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter no request is using."""
+        self._check_alive()
+        await asyncio.to_thread(self.engine.remove_lora, name)
 
     def _check_alive(self) -> None:
         if self.error is not None or not self._thread.is_alive():
@@ -338,6 +423,15 @@ async def _wait(future: concurrent.futures.Future) -> Any:
 
     future.add_done_callback(wake)
     return await waiter
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    if final is None or not final.finished:
+        raise EngineDeadError("the engine stopped before the request finished")
+    return final
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -97,10 +97,11 @@ class InputProcessor:
         cache_salt: str | None = None,
         parsers: OutputParsers | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> tuple[RequestState, list[AddRequest]]:
         """Validate and tokenize a request; raises :class:`InvalidRequestError` naming
         the bad field. ``parsers`` name the reasoning and tool-call parsers that read
-        each sample's text. With a structured-output grammar, the reasoning parser also
+        each sample's text; ``lora`` names the LoRA adapter it is generated with. With a structured-output grammar, the reasoning parser also
         makes the grammar constrain only the answer after the model's reasoning, as the
         core's own instance of it finds its end; if the prompt opened no reasoning (the
         parser says it is over before the first token), all is answer and none is
@@ -152,7 +153,7 @@ class InputProcessor:
         others = msgspec.structs.replace(core_params, prompt_logprobs=None)
         adds = [
             AddRequest(child_id(request_id, index), list(ids), others if index else core_params, now, cache_salt, index, grammar,
-                       tenant=tenant)
+                       tenant=tenant, lora=lora)
             for index in range(params.num_samples)
         ]
         return state, adds
@@ -208,4 +209,5 @@ def core_sampling_params(params: SamplingParams, tokenizer: Any = None) -> CoreS
         speculative=params.speculative,
         allowed_token_ids=sorted(set(params.allowed_token_ids)) if params.allowed_token_ids else None,
         bad_words_token_ids=bad or None,
+        logits_processors=list(params.logits_processors) if params.logits_processors else None,
     )

@@ -6,11 +6,14 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any, Union
 
+from pyagent_framework.engine import beam_search, scoring
+from pyagent_framework.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pyagent_framework.engine.config import make_config
+from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
-from pyagent_framework.engine.params import PoolingParams, SamplingParams
+from pyagent_framework.engine.params import LoRARequest, PoolingParams, SamplingParams
 
 Prompt = Union[str, Seq[int]]
 Messages = Seq[Mapping[str, Any]]
@@ -64,17 +67,40 @@ class LLM:
         *,
         cache_salt: str | None = None,
         parsers: OutputParsers | None = None,
+        lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs for every prompt, in the order given. A single prompt may be a string
         or a list of token ids. ``cache_salt`` keeps these prompts' cached KV blocks
         apart from requests with another salt (or none). ``parsers`` name reasoning and
         tool-call parsers: each sample's ``message`` is then what they read in its text.
+        ``lora_request`` generates with a LoRA adapter (a :class:`LoRARequest` or a loaded
+        adapter's name), one for all prompts or one per prompt (None: the base model).
         A request that fails while it runs (a plugin raised for it, its grammar ran
         over its time budget) comes back with ``finish_reason="error"`` and the reason
         in ``error``; the others are unaffected."""
-        ids = self._submit(prompts, params, cache_salt, output_kind="final_only", parsers=parsers)
+        ids = self._submit(prompts, params, cache_salt, output_kind="final_only", parsers=parsers, lora_request=lora_request)
         finals = {out.request_id: out for out in self._run(ids) if out.finished}
         return [finals[request_id] for request_id in ids]
+
+    def beam_search(
+        self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, *, cache_salt: str | None = None,
+        lora_request: LoRARequest | str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of every prompt by beam search
+        (transformers' ``num_beams`` semantics, see :mod:`.beam_search`), best first, in
+        the order given. The prompts' beams step through the engine together."""
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            text, ids = self.engine.tokenize_prompt(prompt)
+            if len(ids) >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}", param="prompt")
+            params.validate(num_eos=len(self.engine.eos_token_ids), max_tokens=self.max_model_len - len(ids))
+            searches.append(BeamSearch(ids, params, self.engine.eos_token_ids, text))
+        [lora] = self._lora_names(lora_request, 1)  # one adapter for every beam
+        beam_search.run(searches, lambda step_prompts, step: self.generate(step_prompts, step, cache_salt=cache_salt,
+                                                                           lora_request=lora))
+        return [search.output(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) for search in searches]
 
     def embed(
         self,
@@ -98,6 +124,27 @@ class LLM:
         finals = {out.request_id: out for out in self._run(ids)}
         return [finals[request_id] for request_id in ids]
 
+    def score(
+        self, text_1: str | Seq[str], text_2: str | Seq[str], *, truncate_prompt_tokens: int | None = None
+    ) -> list[scoring.ScoringRequestOutput]:
+        """The score of every text pair (``outputs.score``), in order. Pairs as vLLM makes
+        them: one ``text_1`` with each ``text_2``, or two lists of the same length
+        elementwise. A cross-encoder reads each pair as one sequence (its score is the
+        model's, sigmoid of the logit by default); an embedding model scores the
+        cosine similarity of the two texts' embeddings. ``truncate_prompt_tokens``: see
+        :meth:`embed` (a pair's longer text is cut first)."""
+        task = scoring.check_scorer(self.engine)
+        pairs = scoring.pair_up(text_1, text_2)
+        ids = [f"llm-{next(self._ids)}" for _ in pairs]
+        if task == "embed":
+            texts = scoring.unique_texts(pairs)
+            embedded = self.embed(texts, PoolingParams(truncate_prompt_tokens, normalize=True))
+            return scoring.cosines(ids, pairs, dict(zip(texts, embedded)))
+        self.engine.wait_added(self.engine.add_score_requests_nowait(
+            [(i, a, b) for i, (a, b) in zip(ids, pairs)], truncate_prompt_tokens=truncate_prompt_tokens))
+        finals = {out.request_id: out for out in self._run(ids)}
+        return [scoring.classified(finals[request_id]) for request_id in ids]
+
     def stream(
         self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
@@ -105,7 +152,8 @@ class LLM:
         submitted when iteration starts; stopping early aborts the rest."""
         yield from self._run(self._submit(prompts, params))
 
-    def _submit(self, prompts, params, cache_salt: str | None = None, output_kind: str | None = None, parsers=None) -> list[str]:
+    def _submit(self, prompts, params, cache_salt: str | None = None, output_kind: str | None = None, parsers=None,
+                lora_request=None) -> list[str]:
         """Validate and queue every prompt, or none of them. Grammars compile in
         parallel, and a spec that does not compile raises before anything runs."""
         prompts = _as_prompt_list(prompts)
@@ -113,11 +161,30 @@ class LLM:
         if output_kind is not None:
             param_list = [(p or SamplingParams()).replace(output_kind=output_kind) for p in param_list]
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        loras = self._lora_names(lora_request, len(prompts))
         pending = self.engine.add_requests_nowait(
-            list(zip(ids, prompts, param_list)), cache_salt=cache_salt, parsers=parsers
+            list(zip(ids, prompts, param_list)), cache_salt=cache_salt, parsers=parsers, lora=loras
         )
         self.engine.wait_added(pending)
         return ids
+
+    def _lora_names(self, lora_request, count: int) -> list[str | None]:
+        """One adapter name (or None) per prompt; a :class:`LoRARequest` with a path
+        the engine has not loaded is loaded first."""
+        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(requests) != count:
+            raise InvalidRequestError(f"{len(requests)} LoRA requests for {count} prompts", param="lora_request")
+        names = []
+        for request in requests:
+            if isinstance(request, LoRARequest):
+                if request.path is not None and request.name not in self.engine.lora_adapters:
+                    self.engine.add_lora(request.name, request.path)
+                request = request.name
+            if request is not None and not isinstance(request, str):
+                raise InvalidRequestError(f"lora_request must be a LoRARequest or an adapter name, got {request!r}",
+                                          param="lora_request")
+            names.append(request)
+        return names
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
@@ -144,6 +211,7 @@ class LLM:
         tools: Seq[Mapping[str, Any]] | None = None,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. With
         ``tool_parser`` / ``reasoning_parser`` (registry names, as ``pyagent serve``
@@ -157,7 +225,7 @@ class LLM:
         if tool_parser is not None or reasoning_parser is not None:
             request = {"tools": [dict(t) for t in tools]} if tools else {}
             parsers = OutputParsers(tool_parser=tool_parser, reasoning_parser=reasoning_parser, request=request)
-        return self.generate(prompts, params, parsers=parsers)
+        return self.generate(prompts, params, parsers=parsers, lora_request=lora_request)
 
     def encode_chat(self, messages: Messages, **render_options: Any) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which carries

@@ -19,7 +19,10 @@ import attrs
 from pyagent_framework.engine import loader, setup
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, InprocClient
-from pyagent_framework.engine.errors import EMBEDDING_MODEL_NO_TEXT, TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
+from pyagent_framework.engine.errors import (
+    CROSS_ENCODER_NO_EMBEDDINGS, CROSS_ENCODER_NO_TEXT, EMBEDDING_MODEL_NO_TEXT, TEXT_MODEL_NO_EMBEDDINGS, TEXT_MODEL_NO_SCORES,
+    ConfigError, InvalidRequestError,
+)
 from pyagent_framework.engine.process_client import ProcessClient
 from pyagent_framework.engine.input_processor import InputProcessor
 from pyagent_framework.engine.output_processor import OutputProcessor
@@ -63,6 +66,7 @@ class LLMEngine:
             self.tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len, chat_template=self.chat_template
         )
         self.output_processor = OutputProcessor(self.tokenizer, tokenizer_name)
+        self.lora_adapters: set[str] = set(info.lora_adapters)  # the LoRA adapters the core has loaded
         self._failed: deque[RequestOutput] = deque()  # requests the core refused after their add
         self._failed_lock = threading.Lock()
 
@@ -95,11 +99,15 @@ class LLMEngine:
         raises), in one message to the core, so that its next step sees them all (a
         batch's composition, and so its float rounding, does not depend on timing).
         Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
-        if self.task == "embed":
-            raise InvalidRequestError(EMBEDDING_MODEL_NO_TEXT, param="model")
+        if self.task != "generate":
+            raise InvalidRequestError(CROSS_ENCODER_NO_TEXT if self.task == "classify" else EMBEDDING_MODEL_NO_TEXT, param="model")
+        loras = options.pop("lora", None)
+        loras = list(loras) if isinstance(loras, (list, tuple)) else [loras] * len(requests)
+        for lora in loras:
+            self.check_lora(lora)
         processed = [
-            (request_id, *self.input_processor.process(request_id, prompt, params, self.output_processor, **options))
-            for request_id, prompt, params in requests
+            (request_id, *self.input_processor.process(request_id, prompt, params, self.output_processor, lora=lora, **options))
+            for (request_id, prompt, params), lora in zip(requests, loras, strict=True)
         ]
         for _, state, _ in processed:
             self.output_processor.add(state)
@@ -126,13 +134,11 @@ class LLMEngine:
         first tokens and the closing special token, as the tokenizer's own truncation
         does. Returns ``(request_id, futures)`` pairs for :meth:`wait_added`."""
         if self.task != "embed":
-            raise InvalidRequestError(TEXT_MODEL_NO_EMBEDDINGS, param="model")
-        arrival = time.time() if arrival_time is None else arrival_time
+            raise InvalidRequestError(CROSS_ENCODER_NO_EMBEDDINGS if self.task == "classify" else TEXT_MODEL_NO_EMBEDDINGS,
+                                      param="model")
         prepared = []
         for request_id, prompt, params in requests:
-            if not isinstance(request_id, str) or not request_id or self.in_flight(request_id) or any(
-                    request_id == other for other, *_ in prepared):
-                raise InvalidRequestError(f"request id {request_id!r} is empty or already in use", param="request_id")
+            self._check_new_id(request_id, prepared)
             params = params or PoolingParams()
             params.check(self.info.hidden_size, self.info.matryoshka, self.max_model_len)
             text, ids = self.input_processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
@@ -143,11 +149,55 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"the input has {len(ids)} tokens; this model reads at most {self.max_model_len} "
                     "(truncate_prompt_tokens keeps the first ones)", param="input")
-            prepared.append((request_id, text, ids, params))
+            prepared.append((request_id, text, ids, params, None))
+        return self._add_pooling(prepared, arrival_time, priority)
+
+    def add_score_requests_nowait(self, requests: list[tuple[str, str, str]], *, truncate_prompt_tokens: int | None = None,
+                                  arrival_time: float | None = None, priority: int = 0):
+        """Queue text pairs ``(request_id, text_1, text_2)`` for a cross-encoder (task
+        ``classify``), each tokenized as its tokenizer pairs texts; every one or none.
+        ``truncate_prompt_tokens`` cuts the longer text of a pair first until the pair
+        fits (-1: the model's limit); without it a pair longer than the model reads
+        raises. Each output's "embedding" is the model's scores (:mod:`.scoring`).
+        An embedding model's scores are cosines of embeddings: see ``LLM.score``."""
+        if self.task != "classify":
+            raise InvalidRequestError(TEXT_MODEL_NO_SCORES if self.task == "generate" else
+                                      "this model is an embedding model: its scores are cosines of embeddings", param="model")
+        params = PoolingParams(truncate_prompt_tokens, normalize=False)
+        params.check(self.info.num_labels, False, self.max_model_len)
+        limit = None if truncate_prompt_tokens is None else (
+            self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens)
+        prepared = []
+        for request_id, first, second in requests:
+            self._check_new_id(request_id, prepared)
+            try:
+                ids, types = self.tokenizer.encode_pair(first, second, max_length=limit)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="model") from None
+            if limit is not None and len(ids) > limit:  # the tokenizer could not cut below its special tokens
+                raise InvalidRequestError(f"truncate_prompt_tokens {limit} is too few for a pair: its special "
+                                          f"tokens alone take more (uncut, it has {len(ids)} tokens)", param="truncate_prompt_tokens")
+            if len(ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"the text pair has {len(ids)} tokens; this model reads at most {self.max_model_len} "
+                    "(truncate_prompt_tokens cuts the longer text first)", param="text_2")
+            prepared.append((request_id, None, ids, params, types))
+        return self._add_pooling(prepared, arrival_time, priority)
+
+    def _check_new_id(self, request_id: Any, prepared: list) -> None:
+        if not isinstance(request_id, str) or not request_id or self.in_flight(request_id) or any(
+                request_id == other for other, *_ in prepared):
+            raise InvalidRequestError(f"request id {request_id!r} is empty or already in use", param="request_id")
+
+    def _add_pooling(self, prepared: list, arrival_time: float | None, priority: int):
+        """Send checked pooling requests ``(request_id, text, ids, params, token_type_ids)``
+        to the core in one message."""
+        arrival = time.time() if arrival_time is None else arrival_time
         adds = []
-        for request_id, text, ids, params in prepared:
+        for request_id, text, ids, params, types in prepared:
             self._embeds[request_id] = (text, ids, params)
-            adds.append(AddRequest(request_id, ids, CoreSamplingParams(priority=priority), arrival, embed=True))
+            adds.append(AddRequest(request_id, ids, CoreSamplingParams(priority=priority), arrival, embed=True,
+                                   token_type_ids=types if types is not None and any(types) else None))
         try:
             futures = self.client.add_requests(adds)
         except BaseException:
@@ -280,6 +330,40 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {**self.client.stats(), "num_unfinished_requests": len(self.output_processor.requests) + len(self._embeds)}
+
+    def check_lora(self, name: str | None) -> None:
+        """Raise InvalidRequestError unless ``name`` is None or a loaded adapter's."""
+        if name is not None and name not in self.lora_adapters:
+            if not self.info.max_loras:
+                raise InvalidRequestError(f"LoRA adapter {name!r}: LoRA is off (start the engine with --enable-lora)",
+                                          param="model")
+            loaded = ", ".join(sorted(self.lora_adapters)) or "none"
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})", param="model")
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter from directory ``path`` in every engine core;
+        InvalidRequestError says what is wrong with it."""
+        if not self.info.max_loras:
+            raise InvalidRequestError("LoRA is off: start the engine with --enable-lora", param="lora_name")
+        try:
+            self.client.call("add_lora", name, str(path))
+        except InvalidRequestError:
+            raise
+        except ValueError as exc:  # in this process: the adapter's ConfigError
+            raise InvalidRequestError(str(exc), param="lora_path") from None
+        self.lora_adapters.add(name)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no request is using."""
+        if name not in self.lora_adapters:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+        try:
+            self.client.call("remove_lora", name)
+        except InvalidRequestError:
+            raise
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="lora_name") from None
+        self.lora_adapters.discard(name)
 
     def start_profile(self, directory: str) -> None:
         """Start a torch profile in each engine core (its process, where the model runs)."""

@@ -243,6 +243,9 @@ class SamplingParams:
     best_of: int | None = None  # draw this many samples, return the n of highest cumulative logprob
     bad_words: list[str] | None = None  # never generated: their last token is barred after the rest
     allowed_token_ids: list[int] | None = None  # only these may be generated
+    # Registered logits processors, in order: [{"name": "no_repeat_ngram", "args": {"n": 3}}, ...]
+    # (or LogitsProcessorSpec structs, or bare names); checked and built once by validate().
+    logits_processors: list[Any] | None = None
     # What each output holds: "cumulative" (everything so far), "delta" (what is new since
     # the previous output: streaming in O(n)) or "final_only" (one output, at the end).
     output_kind: str = "cumulative"
@@ -348,6 +351,10 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
             self.structured_outputs.spec()
+        if self.logits_processors is not None:
+            from pyagent_framework.engine.logits_processors import check_logits_processors
+
+            self.logits_processors = check_logits_processors(self.logits_processors)
         return self
 
     def replace(self, **changes: Any) -> "SamplingParams":
@@ -413,3 +420,12 @@ class PoolingParams:
                                           "declares no matryoshka_dimensions)", param="dimensions")
             if not 1 <= self.dimensions <= hidden_size:
                 raise InvalidRequestError(f"dimensions must be 1..{hidden_size}, got {self.dimensions}", param="dimensions")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter to generate with: ``name`` of one the engine has loaded, or with
+    ``path`` (a PEFT directory) one it loads under that name the first time it is asked."""
+
+    name: str
+    path: str | None = None

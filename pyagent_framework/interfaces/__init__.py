@@ -11,7 +11,8 @@ from pyagent_framework.interfaces.chat_template import ChatTemplateSource
 from pyagent_framework.interfaces.eviction import EvictionPolicy
 from pyagent_framework.interfaces.grammar import GrammarBackend, GrammarMatcher, apply_token_bitmask, bitmask_words
 from pyagent_framework.interfaces.kv_connector import KVConnector
-from pyagent_framework.interfaces.model import EncoderArchitecture, ModelArchitecture
+from pyagent_framework.interfaces.logits_processor import LogitsProcessor
+from pyagent_framework.interfaces.model import CrossEncoderArchitecture, EncoderArchitecture, ModelArchitecture
 from pyagent_framework.interfaces.proposer import Proposer
 from pyagent_framework.interfaces.quantizer import PackedParts, PackedWeight, Quantizer
 from pyagent_framework.interfaces.reasoning_parser import ReasoningParser
@@ -22,12 +23,14 @@ from pyagent_framework.interfaces.weights import WeightFormat
 __all__ = [
     "AttentionBackend",
     "ChatTemplateSource",
+    "CrossEncoderArchitecture",
     "EncoderArchitecture",
     "EvictionPolicy",
     "GrammarBackend",
     "GrammarMatcher",
     "KVConnector",
     "LayerOps",
+    "LogitsProcessor",
     "ModelArchitecture",
     "PackedParts",
     "PackedWeight",

@@ -15,11 +15,11 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyagent_framework.engine.async_llm import AsyncLLM
-from pyagent_framework.server import protocol as api
+from pyagent_framework.server import protocol as api, responses, score
 from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import ERROR_RESPONSES, APIError, error_body
 from pyagent_framework.server.metrics import ServerMetrics
@@ -254,9 +254,38 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, span_e
         REQUEST_HEADERS.set(request.headers)
         return await until_disconnected(request, respond(serving.completion(body)))
 
+    @app.post(
+        "/v1/responses",
+        response_model=responses.ResponseObject,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "A response, or its events when stream=true"},
+                   404: {"model": api.ErrorResponse, "description": "Unknown model or previous_response_id"}},
+    )
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        REQUEST_HEADERS.set(request.headers)
+        return await until_disconnected(request, respond(serving.responses(body)))
+
+    @app.get("/v1/responses/{response_id}", response_model=responses.ResponseObject,
+             responses={404: {"model": api.ErrorResponse, "description": "No stored response has this id"}})
+    async def retrieve_response(response_id: str):
+        return serving.retrieve_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=responses.DeletedResponse,
+                responses={404: {"model": api.ErrorResponse, "description": "No stored response has this id"}})
+    async def delete_response(response_id: str):
+        return serving.delete_response(response_id)
+
     @app.post("/v1/embeddings", response_model=api.EmbeddingResponse)
     async def embeddings(body: api.EmbeddingRequest, request: Request):
         return await until_disconnected(request, respond(serving.embeddings(body)))
+
+    @app.post("/v1/score", response_model=score.ScoreResponse)
+    async def score_pairs(body: score.ScoreRequest, request: Request):
+        return await until_disconnected(request, respond(serving.score(body)))
+
+    @app.post("/rerank", response_model=score.RerankResponse)
+    @app.post("/v1/rerank", response_model=score.RerankResponse)
+    async def rerank(body: score.RerankRequest, request: Request):
+        return await until_disconnected(request, respond(serving.rerank(body)))
 
     @app.post("/tokenize", response_model=api.TokenizeResponse)
     async def tokenize(body: api.TokenizeRequest):
@@ -265,6 +294,18 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, span_e
     @app.post("/detokenize", response_model=api.DetokenizeResponse)
     async def detokenize(body: api.DetokenizeRequest):
         return serving.detokenize(body)
+
+    if config.allow_runtime_lora_updating:  # the operator's switch: the routes do not exist otherwise
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: api.LoadLoRAAdapterRequest):
+            await lora_call(engine.add_lora(body.lora_name, body.lora_path))
+            return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: api.UnloadLoRAAdapterRequest):
+            await lora_call(engine.remove_lora(body.lora_name))
+            return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
     if config.profiler_dir:  # the operator's switch: the routes do not exist otherwise
 
@@ -278,6 +319,19 @@ def build_app(engine: AsyncLLM, config: ServerConfig, *, model_name: str, span_e
             return {"status": "stopped", "traces": await asyncio.to_thread(profile_call, engine.engine.stop_profile)}
 
     return Guard(app, limit=config.max_request_bytes, api_key=config.api_key)
+
+
+async def lora_call(work) -> None:
+    """Load or unload an adapter; what is wrong with it is a 400 naming it."""
+    from pyagent_framework.engine.core_client import EngineDeadError
+    from pyagent_framework.engine.errors import InvalidRequestError
+
+    try:
+        await work
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
 
 
 def profile_call(method, *args):

@@ -61,7 +61,17 @@ class ChatMixin:
         return OutputParsers(tool_parser=tool, reasoning_parser=self.config.reasoning_parser, request=request_dict)
 
     async def chat(self, req: api.ChatCompletionRequest) -> api.ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
+        req, stream, tracker = await self._start_chat(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return Events(self._chat_stream(req, request_id, stream, tracker), [stream], [tracker])
+        final = await collect(stream, tracker)
+        return self._chat_response(req, request_id, final)
+
+    async def _start_chat(self, req: api.ChatCompletionRequest):
+        """Check, render and queue a chat request (also what ``/v1/responses`` runs):
+        the request as the parsers adjusted it, its output stream and its tracker."""
+        lora = self.check_model(req.model)
         self.check_generates()
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -81,14 +91,10 @@ class ChatMixin:
         # The grammar, if any, constrains the answer only: the front end and the core
         # ask the reasoning parser where the reasoning ends.
         parsers = self._parsers(mode, req.model_dump(exclude_none=True))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._start(prompt_ids, params, req.cache_salt, parsers=parsers, param="tools" if schema else None,
+        stream = await self._start(prompt_ids, params, req.cache_salt, parsers=parsers, param="tools" if schema else None, lora=lora,
                                    tenant=self.tenant_of(req.user))
         tracker = self.metrics.track(len(prompt_ids), delta=bool(req.stream))
-        if req.stream:
-            return Events(self._chat_stream(req, request_id, stream, tracker), [stream], [tracker])
-        final = await collect(stream, tracker)
-        return self._chat_response(req, request_id, final)
+        return req, stream, tracker
 
     def _adjusted(self, req: api.ChatCompletionRequest, kind: str, name: str, cls: type) -> api.ChatCompletionRequest:
         """The request as a parser wants it (e.g. special tokens kept)."""
@@ -122,7 +128,7 @@ class ChatMixin:
                 )
             )
         return api.ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=out_choices, usage=usage(final), prompt_logprobs=self._prompt_logprobs(req, final)
+            id=request_id, model=self.served_as(req.model), choices=out_choices, usage=usage(final), prompt_logprobs=self._prompt_logprobs(req, final)
         )
 
     async def _chat_stream(self, req, request_id, stream, tracker) -> AsyncIterator[str]:
@@ -131,7 +137,7 @@ class ChatMixin:
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         def chunk(stream_choices, usage_info=None) -> str:
-            body = api.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=stream_choices, usage=usage_info)
+            body = api.ChatCompletionChunk(id=request_id, created=created, model=self.served_as(req.model), choices=stream_choices, usage=usage_info)
             return sse(body.model_dump_json())
 
         for index in range(req.n):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from pyagent_framework.engine.outputs import RequestOutput
 from pyagent_framework.server import protocol as api
+from pyagent_framework.server.beam_search import beam_completion, check_no_beam_fields
 from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.streaming import Events, check_output, collect, error_event, merge, sse, streamed_usage, total_usage
 
@@ -20,11 +21,14 @@ class CompletionsMixin:
     metrics."""
 
     async def completion(self, req: api.CompletionRequest) -> api.CompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_generates()
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = _prompt_list(req.prompt)
+        if req.use_beam_search:
+            return await beam_completion(self, req, prompts)
+        check_no_beam_fields(req)
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}, got {req.n}", param="n")
         drawn = max(req.n, req.best_of or 0)  # best_of: drawn, the n best returned
@@ -45,7 +49,7 @@ class CompletionsMixin:
         streams = []
         try:
             for ids, params in zip(prompt_ids, param_list):
-                streams.append(await self._start(ids, params, req.cache_salt, tenant=self.tenant_of(req.user)))
+                streams.append(await self._start(ids, params, req.cache_salt, tenant=self.tenant_of(req.user), lora=lora))
         except APIError:
             for stream in streams:
                 await stream.aclose()
@@ -73,7 +77,7 @@ class CompletionsMixin:
                         prompt_logprobs=self._prompt_logprobs(req, final),
                     )
                 )
-        return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=total_usage(finals))
+        return api.CompletionResponse(id=request_id, model=self.served_as(req.model), choices=choices, usage=total_usage(finals))
 
     def _prompt_text(self, final: RequestOutput) -> str:
         return final.prompt if final.prompt is not None else self.tokenizer.decode(final.prompt_token_ids, skip_special_tokens=False)
@@ -85,7 +89,7 @@ class CompletionsMixin:
         done: set[int] = set()
 
         def event(choices, usage_info=None) -> str:
-            body = api.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices, usage=usage_info)
+            body = api.CompletionResponse(id=request_id, created=created, model=self.served_as(req.model), choices=choices, usage=usage_info)
             return sse(body.model_dump_json())
 
         try:

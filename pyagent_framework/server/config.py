@@ -45,7 +45,9 @@ class ServerConfig:
     shutdown_timeout: float = attrs.field(default=30.0, metadata={"help": "seconds SIGTERM waits for running requests before exiting"})
     step_timeout: float = attrs.field(default=60.0, validator=_between(1, 86400), metadata={"help": "seconds one engine step may run before the watchdog declares the engine stalled: /health then answers 503, open requests get an error and the process exits non-zero for its supervisor to restart"})
     otlp_traces_endpoint: str | None = attrs.field(default=None, metadata={"help": "send an OpenTelemetry trace of each request (queue, prefill, decode spans; the caller's traceparent honoured) to this OTLP/HTTP endpoint, e.g. http://127.0.0.1:4318/v1/traces (pip install 'pyagent-framework[otel]')"})
+    allow_runtime_lora_updating: bool = attrs.field(default=False, metadata={"help": "turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which read adapters from paths on this machine (an operator's switch; off by default; needs --enable-lora)"})
     profiler_dir: str | None = attrs.field(default=None, metadata={"help": "a directory for torch profiler traces of the engine core: turns on POST /start_profile and /stop_profile (an operator's switch; off by default)"})
+    max_stored_responses: int = attrs.field(default=1024, validator=_between(0, 1_000_000), metadata={"help": "most responses /v1/responses keeps in memory for previous_response_id and GET /v1/responses/{id} (the least recently used go first; 0: none kept)"})
     log_level: str = attrs.field(default="info", metadata={"help": "uvicorn log level: critical, error, warning, info, debug"})
 
     @property

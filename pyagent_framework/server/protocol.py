@@ -138,8 +138,18 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class LogitsProcessorField(OpenAIModel):
+    """One entry of ``logits_processors``: a registered logits processor's name and
+    the arguments it is built with."""
+
+    name: str
+    args: dict[str, Any] | None = None
+
+
 class SamplingFields(RequestBody):
     """The sampling fields both endpoints share."""
+
+    implemented: ClassVar[frozenset[str]] = frozenset({"logits_processors"})
 
     n: int = 1
     temperature: float | None = None
@@ -178,6 +188,8 @@ class SamplingFields(RequestBody):
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # registered logits processors, applied in order: [{"name": "no_repeat_ngram", "args": {"n": 3}}] (or bare names)
+    logits_processors: list[Union[str, LogitsProcessorField]] | None = None
 
 
 # ---------------------------------------------------------------------- chat
@@ -356,6 +368,11 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    # vLLM's beam search: beam_width (else best_of, else n) beams; the n best are returned
+    implemented: ClassVar[frozenset[str]] = SamplingFields.implemented | {"use_beam_search", "length_penalty"}
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
 
 
 class CompletionLogprobs(BaseModel):
@@ -392,7 +409,17 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pyagent"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class ModelList(BaseModel):

@@ -7,7 +7,7 @@ Nothing here knows about HTTP beyond :class:`APIError`; the FastAPI app
 :class:`OpenAIServing` holds what every endpoint shares (the engine, the model check,
 prompt rendering, starting a request) and the token and model endpoints; the rest
 is composed in from :mod:`.chat`, :mod:`.completions`, :mod:`.sampling` and
-:mod:`.logprobs` and :mod:`.embeddings`, with the shared streaming helpers in :mod:`.streaming`.
+:mod:`.logprobs`, :mod:`.embeddings` and :mod:`.responses`, with the shared streaming helpers in :mod:`.streaming`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pyagent_framework.server.config import ServerConfig
 from pyagent_framework.server.errors import APIError
 from pyagent_framework.server.logprobs import LogprobsMixin
 from pyagent_framework.server.metrics import ServerMetrics
+from pyagent_framework.server.responses import ResponsesMixin, ResponseStore
 from pyagent_framework.server.sampling import SamplingMixin
+from pyagent_framework.server.score import ScoreMixin
 
 # Template variables a request may not set: the renderer's own inputs and its limits.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -39,7 +41,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin, LogprobsMixin):
+class OpenAIServing(ChatMixin, ResponsesMixin, CompletionsMixin, EmbeddingsMixin, ScoreMixin, SamplingMixin, LogprobsMixin):
     """The OpenAI endpoints over one engine and model."""
 
     def __init__(
@@ -57,6 +59,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
         self.metrics = metrics
         # The parsers the config names (checked here; the front end builds them per sample).
         self.tool_parser_cls, self.reasoning_parser_cls = load_parsers(config)
+        self.response_store = ResponseStore(config.max_stored_responses)  # /v1/responses
         self.created = int(time.time())
 
     @property
@@ -67,15 +70,27 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
     def max_model_len(self) -> int:
         return self.inputs.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}", param="model", code="model_not_found"
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for
+        a model this server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.engine.lora_adapters:
+            return model
+        served = ", ".join(repr(name) for name in [self.model_name, *sorted(self.engine.engine.lora_adapters)])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+
+    def served_as(self, model: str | None) -> str:
+        """The model a response names: the LoRA adapter the request chose, else the base model."""
+        return model if model is not None and model in self.engine.engine.lora_adapters else self.model_name
 
     def check_generates(self) -> None:
         if self.engine.engine.task == "embed":
             raise APIError(400, f"the model {self.model_name!r} is an embedding model: it serves /v1/embeddings and "
+                                "generates no text", param="model")
+        if self.engine.engine.task == "classify":
+            raise APIError(400, f"the model {self.model_name!r} is a cross-encoder: it serves /v1/score and /rerank and "
                                 "generates no text", param="model")
 
     async def _start(
@@ -87,9 +102,11 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
         parsers: OutputParsers | None = None,
         param: str | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ):
         """Queue the request; ``param`` names the request field an invalid
-        structured-output spec came from, when the server built it."""
+        structured-output spec came from, when the server built it; ``lora`` is the
+        adapter :meth:`check_model` found."""
         request_id = f"req-{uuid.uuid4().hex}"
         try:
             stream = await self.engine.add_request(
@@ -99,6 +116,7 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
                 cache_salt=cache_salt,
                 parsers=parsers,
                 tenant=tenant,
+                lora=lora,
             )
         except InvalidRequestError as exc:
             where = param if param and (exc.param or "").startswith("structured_outputs") else exc.param
@@ -183,7 +201,9 @@ class OpenAIServing(ChatMixin, CompletionsMixin, EmbeddingsMixin, SamplingMixin,
     def models(self) -> api.ModelList:
         # The model's name, never where its files lie on this machine.
         card = api.ModelCard(id=self.model_name, created=self.created, root=self.model_name, max_model_len=self.max_model_len)
-        return api.ModelList(data=[card])
+        adapters = [api.ModelCard(id=name, created=self.created, root=name, parent=self.model_name,
+                                  max_model_len=self.max_model_len) for name in sorted(self.engine.engine.lora_adapters)]
+        return api.ModelList(data=[card, *adapters])
 
 
 def message_dict(message: api.ChatMessage) -> dict[str, Any]:
