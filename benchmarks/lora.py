@@ -24,7 +24,6 @@ both the LoRA engine's base batch and the engine without LoRA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,51 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from machine_load import OtherLoad  # noqa: E402
+from tests.lora_adapters import ALL_PROJECTIONS, make_adapter, smollm2_float32  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at", "The best way to learn",
          "In 1969, the first", "SELECT name FROM", "A haiku about autumn:"]
-
-
-def float32_checkpoint(directory: Path) -> str:
-    """The embedded GGUF, dequantized by transformers, as a float32 safetensors checkpoint."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pyagent_framework.engine.loader import resolve_model
-
-    gguf = resolve_model("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
-    (directory / "config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(directory)
-    return str(directory)
-
-
-def make_adapters(base: str, root: Path, rank: int) -> dict[str, str]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for index, name in enumerate(("a", "b", "c")):
-        torch.manual_seed(100 + index)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False))
-        with torch.no_grad():
-            for pname, param in peft_model.named_parameters():
-                if "lora_" in pname:
-                    param.normal_(0.0, 0.02)
-        peft_model.save_pretrained(root / name, safe_serialization=True)
-        out[name] = str(root / name)
-    return out
 
 
 def median_time(fn, rounds: int) -> float:
@@ -106,8 +66,9 @@ def main() -> None:
     from pyagent_framework import LLM, SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
-    base = float32_checkpoint(root / "base")
-    adapters = make_adapters(base, root, args.rank)
+    base = smollm2_float32(root / "base")
+    adapters = {name: make_adapter(base, root / name, ALL_PROJECTIONS, seed=100 + i, rank=args.rank, std=0.02)
+                for i, name in enumerate(("a", "b", "c"))}
     names = ["a", "b", "c"]
     model = None if args.ours == "gguf" else base
     llm = LLM(model, enable_lora=True, max_loras=3, max_lora_rank=args.rank, lora_modules=adapters, engine_process=False,
@@ -157,18 +118,28 @@ def main() -> None:
         def peer_mixed():
             peer_run(mixed)
 
-    arms = {"ours no LoRA": (ours_plain, args.rounds), "ours base": (ours_base, args.rounds),
-            "ours mixed": (ours_mixed, args.rounds)}
-    if args.peer:
-        n = args.peer_rounds
-        arms = {"peer base": (peer_base, n), "peer mixed": (peer_mixed, n), **arms,
-                "peer base (after)": (peer_base, n), "peer mixed (after)": (peer_mixed, n)}
+    ours = {"ours no LoRA": ours_plain, "ours base": ours_base, "ours mixed": ours_mixed}
+    peer_arms = {"peer base": peer_base, "peer mixed": peer_mixed} if args.peer else {}
     ours_plain(), ours_base(), ours_mixed()  # warm-up
     load = OtherLoad().start()
-    times = {}
-    for label, (fn, rounds) in arms.items():
-        times[label] = median_time(fn, rounds)
-        print(f"  {label:20s} {times[label]:8.2f} s  {total / times[label]:8.1f} tok/s", flush=True)
+    times: dict[str, float] = {}
+
+    def report_arm(label: str, seconds: float) -> None:
+        times[label] = seconds
+        print(f"  {label:20s} {seconds:8.2f} s  {total / seconds:8.1f} tok/s", flush=True)
+
+    for label, fn in peer_arms.items():
+        report_arm(label, median_time(fn, args.peer_rounds))
+    # Ours round-robin (one round of each arm, then the next): drift on a shared
+    # machine falls on every arm alike.
+    samples: dict[str, list[float]] = {label: [] for label in ours}
+    for _ in range(args.rounds):
+        for label, fn in ours.items():
+            samples[label].append(median_time(fn, 1))
+    for label, values in samples.items():
+        report_arm(label, statistics.median(values))
+    for label, fn in peer_arms.items():
+        report_arm(f"{label} (after)", median_time(fn, args.peer_rounds))
     report = load.report()
     ours_overhead = times["ours mixed"] / times["ours base"] - 1
     print(f"  ours: 3-adapter mixed batch costs {ours_overhead:+.1%} against the base model alone on the LoRA engine, "

@@ -16,6 +16,7 @@ from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.lora import read_adapter
 from pyagent_framework.interfaces import LayerOps
 from pyagent_framework.engine.params import LoRARequest
+from tests.lora_adapters import ALL_PROJECTIONS, make_adapter, smollm2_float32
 from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
 
 peft = pytest.importorskip("peft")
@@ -23,26 +24,9 @@ peft = pytest.importorskip("peft")
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [100, 120, 140, 160, 180, 200, 220], [11, 12]]
 MAX_NEW = 12
 TARGETS = {
-    "a": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "a": ALL_PROJECTIONS,
     "b": ["q_proj", "v_proj", "down_proj"],
 }
-
-
-def make_adapter(base: str, directory: Path, targets: list[str], seed: int, rank: int = 8, **options) -> str:
-    """A PEFT LoRA adapter of ``base`` with random A and B (PEFT starts B at zero,
-    which would change nothing), saved as safetensors."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = hf_model(base)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **options)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 0.05)
-    peft_model.save_pretrained(directory, safe_serialization=True)
-    return str(directory)
 
 
 def peft_reference(base: str, adapter: str | None, prompts, eos_token_id: int | None = 1) -> list[tuple[list[int], list[float]]]:
@@ -235,38 +219,14 @@ def test_served_over_http_by_model_name_with_runtime_loading(base, adapters, ref
         assert status == 404  # no operator flag: no route
 
 
-def save_float32(model, directory: Path) -> None:
-    """A transformers model loaded from GGUF as a float32 safetensors checkpoint
-    (save_pretrained refuses a model it dequantized)."""
-    from safetensors.torch import save_file
-
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
-    (directory / "config.json").write_text(json.dumps(config))
-
-
 def test_smollm2_float32_with_two_adapters_equals_peft(tmp_path_factory):
     """SmolLM2-135M in float32 (the embedded GGUF, dequantized by transformers and
     saved as safetensors), with two random adapters: a mixed batch's greedy tokens
     equal transformers + PEFT's."""
-    import os
+    from transformers import AutoTokenizer
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pyagent_framework.engine.loader import resolve_model
-
-    gguf = resolve_model("smollm2")
-    root = tmp_path_factory.mktemp("smollm2-f32")
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32)
-    (root / "base").mkdir()
-    save_float32(model, root / "base")
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(root / "base")
-    base = str(root / "base")
+    base = smollm2_float32(tmp_path_factory.mktemp("smollm2-f32") / "base")
+    root = Path(base).parent
     a = make_adapter(base, root / "a", TARGETS["a"], seed=21, rank=8)
     b = make_adapter(base, root / "b", TARGETS["b"], seed=22, rank=16)
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -328,3 +288,29 @@ def test_data_parallel_replicas_each_serve_the_adapters(base, adapters, referenc
         outs = llm.generate(prompts, GREEDY, lora_request=names)
     for out, prompt, name in zip(outs, prompts, names):
         assert _tokens_and_logprobs(out)[0] == references[name][PROMPTS.index(prompt)][0], (name, prompt)
+
+
+def test_a_fused_layer_adapted_whole_or_by_part_computes_the_same_in_both_layouts():
+    """A q/k/v layer adapted part by part, or whole (a checkpoint that fuses it, as
+    Phi-3's qkv_proj): the block-diagonal B the torch op reads and the per-part B the
+    fused decode reads both give x @ A^T @ B^T."""
+    from pyagent_framework.engine.lora import LoRALinear, LoRAState, LoRAWeights
+
+    torch.manual_seed(0)
+    parts = [(0, 8), (8, 4), (12, 4)]
+    layer = LoRALinear(torch.nn.Linear(6, 16, bias=False), 6, 16, parts, slots=2, max_rank=4,
+                       state=LoRAState(LayerOps()), dtype=torch.float32, device="cpu")
+    x = torch.randn(3, 6)
+    whole_a, whole_b = torch.randn(3, 6), torch.randn(16, 3)
+    by_part = [(offset, LoRAWeights(torch.randn(2, 6), torch.randn(rows, 2))) for offset, rows in parts]
+    layer.set_slot(0, [(0, LoRAWeights(whole_a, whole_b))])
+    layer.set_slot(1, by_part)
+    want = {0: x @ whole_a.T @ whole_b.T,
+            1: torch.cat([x @ w.a.T @ w.b.T for _, w in by_part], dim=1)}
+    for slot in (0, 1):
+        block = x @ layer.lora_a[slot].T @ layer.lora_b[slot].T
+        mids = x @ layer.lora_a[slot].T
+        compact = torch.cat([mids[:, p * 4 : (p + 1) * 4] @ layer.lora_b_parts[slot, offset : offset + rows].T
+                             for p, (offset, rows) in enumerate(parts)], dim=1)
+        torch.testing.assert_close(block, want[slot])
+        torch.testing.assert_close(compact, want[slot])

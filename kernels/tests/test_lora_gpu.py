@@ -16,23 +16,15 @@ MAX_NEW = 12
 
 def test_mixed_adapter_batch_on_the_gpu_equals_peft(tmp_path):
     pytest.importorskip("peft")
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
 
     from pyagent_framework import LLM, SamplingParams
+    from tests.lora_adapters import ALL_PROJECTIONS, make_adapter
     from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
 
     base = tiny_checkpoint("llama", tmp_path)
-    adapters = {}
-    for seed, (name, targets) in enumerate((("a", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-                                            ("b", ["q_proj", "v_proj", "down_proj"]))):
-        torch.manual_seed(seed + 11)
-        model = get_peft_model(hf_model(base), LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
-        with torch.no_grad():
-            for pname, param in model.named_parameters():
-                if "lora_" in pname:
-                    param.normal_(0.0, 0.05)
-        model.save_pretrained(tmp_path / name, safe_serialization=True)
-        adapters[name] = str(tmp_path / name)
+    adapters = {"a": make_adapter(base, tmp_path / "a", ALL_PROJECTIONS, seed=11),
+                "b": make_adapter(base, tmp_path / "b", ["q_proj", "v_proj", "down_proj"], seed=12)}
 
     def reference(adapter):
         model = hf_model(base)

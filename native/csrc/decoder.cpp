@@ -33,6 +33,27 @@ void grow(std::vector<float>& v, int64_t n) {
 // contiguous and the kernel writes them in place, with more the part's [M, N_p] goes
 // to a scratch and is copied into each row's slice (M * N floats, next to the
 // M * N * K multiply-adds).
+// out[m, N] = x[m, K] @ weight[N, K]^T through the dispatched float kernel.
+void expand_rows(float* out, const float* x, const float* weight, int64_t m, int64_t N, int64_t K, int threads) {
+  LinearArgs a{};
+  a.out = out;
+  a.x = x;
+  a.weight = weight;
+  a.M = m;
+  a.N = N;
+  a.K = K;
+  linear(a, threads, kAuto);
+}
+
+// dst[rows[i], first : first + n] += src[i, :n] (dst rows of `stride` values).
+void add_rows(float* dst, int64_t stride, int64_t first, const float* src, int64_t n, const std::vector<int64_t>& rows) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    float* d = dst + rows[i] * stride + first;
+    const float* s = src + static_cast<int64_t>(i) * n;
+    for (int64_t j = 0; j < n; ++j) d[j] += s[j];
+  }
+}
+
 // out[t] += b[s] @ (a[s] @ x[t]) for the rows of each slot s: the rows gathered, two
 // float GEMMs through the dispatched kernel ([m, K] x [R, K]^T, then [m, R] x [N, R]^T),
 // the result added back to each row.
@@ -60,18 +81,22 @@ void add_lora(const LinearWeight& w, float* out, const float* x, int64_t M, cons
     shrink.N = R;
     shrink.K = K;
     linear(shrink, threads, kAuto);
-    LinearArgs expand{};
-    expand.out = ws.lora_out.data();
-    expand.x = ws.lora_mid.data();
-    expand.weight = w.lora.b + s * N * R;
-    expand.M = rows;
-    expand.N = N;
-    expand.K = R;
-    linear(expand, threads, kAuto);
-    for (int64_t i = 0; i < rows; ++i) {
-      float* dst = out + ws.lora_rows[i] * N;
-      const float* src = ws.lora_out.data() + i * N;
-      for (int64_t n = 0; n < N; ++n) dst[n] += src[n];
+    if (w.lora.parts.empty()) {
+      expand_rows(ws.lora_out.data(), ws.lora_mid.data(), w.lora.b + s * N * R, rows, N, R, threads);
+      add_rows(out, N, 0, ws.lora_out.data(), N, ws.lora_rows);
+      continue;
+    }
+    // Part by part: its r columns of the shrink, its rows of b, its columns of out.
+    const int64_t r = R / static_cast<int64_t>(w.lora.parts.size());
+    grow(ws.lora_part, rows * r);
+    for (size_t p = 0; p < w.lora.parts.size(); ++p) {
+      const int64_t first = w.lora.parts[p].first, count = w.lora.parts[p].second;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* mid = ws.lora_mid.data() + i * R + static_cast<int64_t>(p) * r;
+        std::copy(mid, mid + r, ws.lora_part.data() + i * r);
+      }
+      expand_rows(ws.lora_out.data(), ws.lora_part.data(), w.lora.b + s * N * r + first * r, rows, count, r, threads);
+      add_rows(out, N, first, ws.lora_out.data(), count, ws.lora_rows);
     }
   }
 }

@@ -55,11 +55,15 @@ inline QuantLinearArgs packed_args(const LinearPart& p, float* out, const float*
 // A layer's LoRA adapters, one per slot: out[t] += b[s] @ (a[s] @ x[t]) for a row t whose
 // slot s (DecoderBatch::lora_slots) is not -1; a [slots, rank, K], b [slots, N, rank], the
 // adapter's scale folded into b. Absent (a == nullptr): the layer has no adapters.
+// A fused layer's parts (q/k/v, gate/up) each have their own adapter: with `parts`
+// (first output row, rows) in order, part p's rows take columns [p r, (p + 1) r) of
+// a[s] @ x[t] (r = rank / parts) and b is [slots, N, r], each row holding its part's.
 struct LoRAWeight {
   const float* a = nullptr;
   const float* b = nullptr;
   int64_t slots = 0;
   int64_t rank = 0;
+  std::vector<std::pair<int64_t, int64_t>> parts;
 };
 
 struct LinearWeight {
@@ -115,6 +119,7 @@ struct DecoderWorkspace {
   std::vector<float> h, qkv, q, attn, tmp, gate_up, act;
   std::vector<float> part;  // one part's [M, N_p] output, for a layer of several parts
   std::vector<float> lora_x, lora_mid, lora_out;  // one adapter's rows: gathered x, x @ a^T, that @ b^T
+  std::vector<float> lora_part;  // one part's columns of lora_mid
   std::vector<int64_t> lora_rows;
 };
 

@@ -176,7 +176,24 @@ class DecoderStack {
     l.slots = a.shape(0);
     l.rank = a.shape(1);
     l.a = array_data<float>(op["lora_a"], name + ".lora_a", {l.slots, l.rank, K});
-    l.b = array_data<float>(op["lora_b"], name + ".lora_b", {l.slots, N, l.rank});
+    int64_t b_rank = l.rank;
+    if (op.contains("lora_parts")) {
+      int64_t next = 0;
+      for (const py::handle& span : op["lora_parts"].cast<py::list>()) {
+        const auto pair = span.cast<std::pair<int64_t, int64_t>>();
+        if (pair.first != next || pair.second < 1) {
+          throw py::value_error(name + ".lora_parts: parts must follow each other from row 0, each of 1 row or more");
+        }
+        next = pair.first + pair.second;
+        l.parts.push_back(pair);
+      }
+      if (next != N || l.parts.empty() || l.rank % static_cast<int64_t>(l.parts.size())) {
+        throw py::value_error(name + ".lora_parts: the parts must cover the layer's " + std::to_string(N) +
+                              " rows and divide lora_a's " + std::to_string(l.rank) + " rows evenly");
+      }
+      b_rank = l.rank / static_cast<int64_t>(l.parts.size());
+    }
+    l.b = array_data<float>(op["lora_b"], name + ".lora_b", {l.slots, N, b_rank});
     if (lora_slots_ >= 0 && l.slots != lora_slots_) {
       throw py::value_error(name + ".lora_a: " + std::to_string(l.slots) + " slots, other layers have " +
                             std::to_string(lora_slots_));

@@ -364,24 +364,36 @@ def test_bad_parts_are_value_errors_naming_the_linear():
 
 
 def _lora_layers(slots=3, rank=4, hidden=8, heads=2, kv_heads=1, head_dim=4, inter=6):
-    """A layer with LoRA adapters on its four linears, and for each slot (and -1, no
-    adapter) the same layer with that slot's adapter merged into the weights."""
+    """A layer with LoRA adapters on its four linears (q/k/v and gate/up with an adapter
+    per part, given part by part as the engine does), and for each slot (and -1, no
+    adapter) the same layer with that slot's adapters merged into the weights."""
     rng = np.random.default_rng(2)
 
     def w(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
-    shapes = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
-              "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    q, kv = heads * head_dim, kv_heads * head_dim
+    parts = {"qkv": [[0, q], [q, kv], [q + kv, kv]], "gate_up": [[0, inter], [inter, inter]], "o": None, "down": None}
+    shapes = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     base = {"input_norm": w(hidden), "post_norm": w(hidden), "q_norm": None, "k_norm": None, "sliding_window": 0}
     weights = {name: w(*shape) * 0.3 for name, shape in shapes.items()}
-    adapters = {name: (w(slots, rank, shape[1]) * 0.3, w(slots, shape[0], rank) * 0.3) for name, shape in shapes.items()}
-    with_lora = {**base, **{name: {"weight": weights[name], "bias": None, "lora_a": adapters[name][0],
-                                   "lora_b": adapters[name][1]} for name in shapes}}
+    with_lora, deltas = dict(base), {}
+    for name, (n_out, n_in) in shapes.items():
+        spans = parts[name] or [[0, n_out]]
+        a = w(slots, rank * len(spans), n_in) * 0.3
+        b = w(slots, n_out, rank) * 0.3  # row n: its part's columns
+        full = np.zeros((slots, n_out, rank * len(spans)), np.float32)  # the same, block-diagonal
+        for p, (first, count) in enumerate(spans):
+            full[:, first : first + count, p * rank : (p + 1) * rank] = b[:, first : first + count]
+        operand = {"weight": weights[name], "bias": None, "lora_a": a, "lora_b": b}
+        if parts[name]:
+            operand["lora_parts"] = parts[name]
+        with_lora[name] = operand
+        deltas[name] = [full[s] @ a[s] for s in range(slots)]
     merged = {-1: {**base, **{name: {"weight": weights[name], "bias": None} for name in shapes}}}
     for s in range(slots):
-        merged[s] = {**base, **{name: {"weight": (weights[name] + adapters[name][1][s] @ adapters[name][0][s]).astype(np.float32),
-                                       "bias": None} for name in shapes}}
+        merged[s] = {**base, **{name: {"weight": (weights[name] + deltas[name][s]).astype(np.float32), "bias": None}
+                                for name in shapes}}
     return with_lora, merged
 
 
@@ -416,6 +428,8 @@ def test_lora_slots_equal_the_adapters_merged_into_the_weights():
         run(stack, np.array([0, 3, 0, 0, 0, 0, 0], np.int32))
     with pytest.raises(ValueError, match="no layer of this stack has LoRA adapters"):
         run(_core.DecoderStack(*shape, [merged[0]] * 2), row_slots)
+    with pytest.raises(ValueError, match="lora_parts: the parts must cover"):
+        _core.DecoderStack(*shape, [{**with_lora, "qkv": {**with_lora["qkv"], "lora_parts": [[0, 8], [8, 4]]}}])
     with pytest.raises(ValueError, match="lora_a and lora_b come together"):
         _core.DecoderStack(*shape, [{**with_lora, "o": {"weight": merged[0]["o"]["weight"], "bias": None,
                                                          "lora_a": with_lora["o"]["lora_a"]}}])

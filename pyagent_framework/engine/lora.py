@@ -207,6 +207,11 @@ class LoRALinear(nn.Module):
         width = len(parts) * max_rank
         self.register_buffer("lora_a", torch.zeros(slots, width, in_features, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(slots, out_features, width, dtype=dtype, device=device), persistent=False)
+        # A fused layer's B as its parts' own columns ([slots, out, max_rank]: row n holds
+        # its part's), for a step that expands part by part; lora_b holds them
+        # block-diagonally, which wastes (parts - 1) / parts of the expand's work.
+        compact = torch.zeros(slots, out_features, max_rank, dtype=dtype, device=device) if len(parts) > 1 else None
+        self.register_buffer("lora_b_parts", compact, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -234,19 +239,34 @@ class LoRALinear(nn.Module):
             return None
         if operand is None:
             return None
-        return {**operand, "lora_a": self.lora_a.numpy(), "lora_b": self.lora_b.numpy()}
+        if self.lora_b_parts is None:
+            return {**operand, "lora_a": self.lora_a.numpy(), "lora_b": self.lora_b.numpy()}
+        spans = [[offset, rows] for offset, (_, rows) in sorted(self.parts.items())]
+        return {**operand, "lora_a": self.lora_a.numpy(), "lora_b": self.lora_b_parts.numpy(), "lora_parts": spans}
 
     def set_slot(self, slot: int, parts: list[tuple[int, LoRAWeights]] | None) -> None:
         """Write an adapter's weights for this layer into ``slot`` (zeros: None, or the
         parts it does not adapt)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        if self.lora_b_parts is not None:
+            self.lora_b_parts[slot].zero_()
         for offset, weights in parts or ():
-            index, _ = self.parts[offset]
-            rows, r = weights.b.shape
-            cols = slice(index * self.max_rank, index * self.max_rank + r)
-            self.lora_a[slot, cols] = weights.a.to(self.lora_a.dtype)
-            self.lora_b[slot, offset : offset + rows, cols] = weights.b.to(self.lora_b.dtype)
+            if weights.b.shape[0] == self.out_features and len(self.parts) > 1:
+                # adapted whole (Phi-3's qkv_proj): each part gets its rows of B and all of A
+                for part_offset, (_, rows) in self.parts.items():
+                    self._write(slot, part_offset, weights.a, weights.b[part_offset : part_offset + rows])
+            else:
+                self._write(slot, offset, weights.a, weights.b)
+
+    def _write(self, slot: int, offset: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        index, _ = self.parts[offset]
+        rows, r = b.shape
+        cols = slice(index * self.max_rank, index * self.max_rank + r)
+        self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
+        self.lora_b[slot, offset : offset + rows, cols] = b.to(self.lora_b.dtype)
+        if self.lora_b_parts is not None:
+            self.lora_b_parts[slot, offset : offset + rows, :r] = b.to(self.lora_b_parts.dtype)
 
 
 class LoRAManager:
