@@ -15,7 +15,8 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "AsyncLLM", "BeamSearchParams", "LLM", "OutputParsers", "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "BeamSearchParams", "LLM", "LoRARequest", "OutputParsers", "SamplingParams",
+           "StructuredOutputsParams", "hookimpl", "registries"]
 
 # Imported on first use: `import pyagent_framework` stays free of torch.
 _LAZY = {
@@ -25,6 +26,7 @@ _LAZY = {
     "OutputParsers": ("pyagent_framework.engine.output_parsers", "OutputParsers"),
     "SamplingParams": ("pyagent_framework.engine.params", "SamplingParams"),
     "BeamSearchParams": ("pyagent_framework.engine.beam_search", "BeamSearchParams"),
+    "LoRARequest": ("pyagent_framework.engine.params", "LoRARequest"),
     "StructuredOutputsParams": ("pyagent_framework.engine.params", "StructuredOutputsParams"),
 }
 

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyagent_framework import LLM, SamplingParams
+from pyagent_framework import LLM, LoRARequest, SamplingParams
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.lora import read_adapter
 from pyagent_framework.interfaces import LayerOps
-from pyagent_framework.engine.params import LoRARequest
 from tests.lora_adapters import ALL_PROJECTIONS, make_adapter, smollm2_float32
 from tests.tiny_models import hf_greedy, hf_model, tiny_checkpoint
 

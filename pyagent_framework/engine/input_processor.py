@@ -101,11 +101,12 @@ class InputProcessor:
     ) -> tuple[RequestState, list[AddRequest]]:
         """Validate and tokenize a request; raises :class:`InvalidRequestError` naming
         the bad field. ``parsers`` name the reasoning and tool-call parsers that read
-        each sample's text; ``lora`` names the LoRA adapter it is generated with. With a structured-output grammar, the reasoning parser also
-        makes the grammar constrain only the answer after the model's reasoning, as the
-        core's own instance of it finds its end; if the prompt opened no reasoning (the
-        parser says it is over before the first token), all is answer and none is
-        parsed as reasoning."""
+        each sample's text; ``lora`` names the LoRA adapter it is generated with. With
+        a structured-output grammar, the reasoning parser also makes the grammar
+        constrain only the answer after the model's reasoning, as the core's own
+        instance of it finds its end; if the prompt opened no reasoning (the parser says
+        it is over before the first token), all is answer and none is parsed as
+        reasoning."""
         params = (params or SamplingParams()).validate(self.vocab_size)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT):
             raise InvalidRequestError(
