@@ -107,9 +107,16 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[str, int, int, i
 
     digest = hashlib.sha256(b"pyagent lora\0" + raw_config)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    # No tensor of an adapter this engine can serve is larger than this: checked on the
+    # file's header, before anything is read into memory.
+    largest = max_rank * max(max(rows, in_features) for _, _, rows, in_features in targets.values())
     with safe_open(str(weights_path), framework="pt") as handle:
         for key in sorted(handle.keys()):
             module, kind = _split_key(key, where)
+            shape = handle.get_slice(key).get_shape()
+            if len(shape) != 2 or shape[0] * shape[1] > largest:
+                raise ConfigError(f"{where}: {key} has shape {tuple(shape)}, not a LoRA matrix of rank at most "
+                                  f"{max_rank} for this model", field="lora_modules")
             tensor = handle.get_tensor(key)
             digest.update(key.encode() + b"\0" + str(tensor.dtype).encode() + repr(tuple(tensor.shape)).encode())
             digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
