@@ -53,7 +53,7 @@ class ForwardContext:
     ``kv_caches[i]`` is layer ``i``'s paged cache (see :class:`AttentionMetadata`).
     ``lora_slots``: with LoRA adapters in the batch, each token row's adapter slot
     (int ``[num_tokens]``, -1: the base model), for a whole-stack step that computes
-    them (the layers themselves are the engine's ``LoRALinear``\s); None otherwise.
+    them (the layers themselves are the engine's ``LoRALinear`` modules); None otherwise.
     """
 
     metadata: AttentionMetadata
