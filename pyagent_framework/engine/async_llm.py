@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence as Seq
 from typing import Any
 
 from pyagent_framework.engine import beam_search, scoring
-from pyagent_framework.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pyagent_framework.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pyagent_framework.engine.config import EngineConfig, make_config
 from pyagent_framework.engine.core_client import EngineDeadError, EngineStalledError
-from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
 from pyagent_framework.engine.output_parsers import OutputParsers
 from pyagent_framework.engine.outputs import EmbeddingRequestOutput, RequestOutput
@@ -189,16 +188,7 @@ class AsyncLLM:
         RuntimeError if a step's request fails. Cancelling aborts the step under way;
         nothing of the search is left in the engine."""
         self._check_alive()
-        engine = self.engine
-        searches = []
-        for prompt in prompts:
-            text, ids = engine.tokenize_prompt(prompt)
-            if len(ids) >= engine.max_model_len:
-                raise InvalidRequestError(
-                    f"the prompt has {len(ids)} tokens; the context window is {engine.max_model_len}", param="prompt")
-            limits = {} if max_beam_width is None else {"max_beam_width": max_beam_width}
-            params.validate(num_eos=len(engine.eos_token_ids), max_tokens=engine.max_model_len - len(ids), **limits)
-            searches.append(BeamSearch(ids, params, engine.eos_token_ids, text))
+        searches = beam_search.start(self.engine, prompts, params, max_beam_width=max_beam_width)
 
         async def step(step_prompts: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
             streams = []
@@ -212,7 +202,7 @@ class AsyncLLM:
                     stream.close()
 
         await beam_search.run_async(searches, step)
-        return [search.output(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)) for search in searches]
+        return beam_search.outputs(searches, self.engine.tokenizer)
 
     async def embed(
         self, prompts: Seq[str | Seq[int]], params: PoolingParams | None = None, *, request_id: str | None = None, **options: Any

@@ -189,6 +189,27 @@ class BeamSearch:
         return BeamSearchOutput(self.prompt, self.prompt_token_ids, sequences)
 
 
+def start(engine, prompts: Seq, params: BeamSearchParams, *, max_beam_width: int | None = None) -> list[BeamSearch]:
+    """One search per prompt on ``engine`` (an :class:`~.llm_engine.LLMEngine`): each
+    prompt tokenized and checked against the context window, ``params`` validated
+    against what it leaves (``max_beam_width``: the caller's cap on ``beam_width``)."""
+    searches = []
+    for prompt in prompts:
+        text, ids = engine.tokenize_prompt(prompt)
+        if len(ids) >= engine.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; the context window is {engine.max_model_len}", param="prompt")
+        limits = {} if max_beam_width is None else {"max_beam_width": max_beam_width}
+        params.validate(num_eos=len(engine.eos_token_ids), max_tokens=engine.max_model_len - len(ids), **limits)
+        searches.append(BeamSearch(ids, params, engine.eos_token_ids, text))
+    return searches
+
+
+def outputs(searches: list[BeamSearch], tokenizer) -> list[BeamSearchOutput]:
+    """Each search's hypotheses, their text decoded without special tokens."""
+    return [search.output(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) for search in searches]
+
+
 def step_params(num_logprobs: int) -> SamplingParams:
     """What a step's requests ask of the engine: one token, and its top logprobs."""
     return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=num_logprobs, output_kind="final_only")

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence as Seq
 from typing import Any, Union
 
 from pyagent_framework.engine import beam_search, scoring
-from pyagent_framework.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pyagent_framework.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.llm_engine import LLMEngine
@@ -89,18 +89,11 @@ class LLM:
         """The ``params.beam_width`` best continuations of every prompt by beam search
         (transformers' ``num_beams`` semantics, see :mod:`.beam_search`), best first, in
         the order given. The prompts' beams step through the engine together."""
-        searches = []
-        for prompt in _as_prompt_list(prompts):
-            text, ids = self.engine.tokenize_prompt(prompt)
-            if len(ids) >= self.max_model_len:
-                raise InvalidRequestError(
-                    f"the prompt has {len(ids)} tokens; the context window is {self.max_model_len}", param="prompt")
-            params.validate(num_eos=len(self.engine.eos_token_ids), max_tokens=self.max_model_len - len(ids))
-            searches.append(BeamSearch(ids, params, self.engine.eos_token_ids, text))
+        searches = beam_search.start(self.engine, _as_prompt_list(prompts), params)
         [lora] = self._lora_names(lora_request, 1)  # one adapter for every beam
         beam_search.run(searches, lambda step_prompts, step: self.generate(step_prompts, step, cache_salt=cache_salt,
                                                                            lora_request=lora))
-        return [search.output(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) for search in searches]
+        return beam_search.outputs(searches, self.tokenizer)
 
     def embed(
         self,
