@@ -227,29 +227,17 @@ class LoRALinear(nn.Module):
             state.ops.add_lora(out, x, self.lora_a, self.lora_b, state.groups, state.row_slots)
         return out
 
-    def native_operand(self) -> dict | None:
-        """The layer as a backend's whole-stack decode step reads it: the base layer's
-        operand (its ``native_operand()``, or a float32 CPU ``nn.Linear``'s weight and
-        bias) with the slots' ``lora_a`` and ``lora_b`` (float32 CPU only; views of the
-        slots, so an adapter put in a slot later is read too). None: no such step."""
+    def lora_operand(self) -> dict | None:
+        """The slots as a backend's whole-stack decode step reads them, beside the base
+        layer's own operand: ``lora_a`` and ``lora_b`` (a fused layer's per-part copy,
+        with ``lora_parts``), float32 CPU only (views of the slots, so an adapter put in
+        a slot later is read too). None: no such step."""
         if self.lora_a.dtype != torch.float32 or self.lora_a.device.type != "cpu":
             return None
-        describe = getattr(self.base, "native_operand", None)
-        weight = getattr(self.base, "weight", None)
-        if describe is not None:
-            operand = describe()
-        elif isinstance(self.base, nn.Linear) and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            bias = self.base.bias
-            operand = {"weight": weight.detach().contiguous().numpy(),
-                       "bias": None if bias is None else bias.detach().float().contiguous().numpy()}
-        else:
-            return None
-        if operand is None:
-            return None
         if self.lora_b_parts is None:
-            return {**operand, "lora_a": self.lora_a.numpy(), "lora_b": self.lora_b.numpy()}
+            return {"lora_a": self.lora_a.numpy(), "lora_b": self.lora_b.numpy()}
         spans = [[offset, rows] for offset, (_, rows) in sorted(self.parts.items())]
-        return {**operand, "lora_a": self.lora_a.numpy(), "lora_b": self.lora_b_parts.numpy(), "lora_parts": spans}
+        return {"lora_a": self.lora_a.numpy(), "lora_b": self.lora_b_parts.numpy(), "lora_parts": spans}
 
     def set_slot(self, slot: int, parts: list[tuple[int, LoRAWeights]] | None) -> None:
         """Write an adapter's weights for this layer into ``slot`` (zeros: None, or the
@@ -369,7 +357,6 @@ class LoRAManager:
         device = self._device()
         self.state.groups = [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in rows_of.items()]
         self.state.row_slots = torch.tensor(slots, dtype=torch.int32, device=device) if rows_of else None
-
 
     def _device(self) -> torch.device:
         layer = next(iter(self.layers.values()), None)

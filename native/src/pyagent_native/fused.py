@@ -50,8 +50,14 @@ _LINEARS = ("qkv", "o", "gate_up", "down")
 
 def linear_operand(module: Any) -> dict | None:
     """How the core reads ``module``'s weight (an operand, see above; a module's own
-    ``native_operand()`` is passed through as is, parts included), or None if it
+    ``native_operand()`` is passed through as is, parts included; a LoRA layer's
+    ``lora_operand()`` keys are added to its ``base``'s operand), or None if it
     cannot."""
+    lora = getattr(module, "lora_operand", None)
+    if lora is not None:  # a layer that adds LoRA adapters to its ``base`` (the engine's LoRALinear)
+        extra = lora()
+        base = linear_operand(module.base) if extra is not None else None
+        return None if base is None else {**base, **extra}
     describe = getattr(module, "native_operand", None)
     if describe is not None:
         return describe()
