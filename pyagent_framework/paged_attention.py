@@ -29,6 +29,13 @@ fast there as well as readable:
   sequence gathers its context and itself from the cache and uses an explicit causal
   mask shifted by the context length.
 
+An int8 or fp8 cache (``--kv-cache-dtype``; rows of codes and a scale, laid out as
+:mod:`pyagent_framework.kv_cache_format` defines) is written with that module's
+``quantize`` and read back with its ``dequantize``, a few sequences' blocks at a time,
+into the query's dtype. A fresh prompt attends its own new keys as the cache holds them
+(quantized, then dequantized), so a prompt computes the same whether its prefix was
+cached or not.
+
 Mixed batches use both paths: the decodes of a batch still go through the vectorized
 path, only the multi-token sequences are looped over. What all layers derive from one
 ``AttentionMetadata`` (slot filter, decode block tables and mask, per-sequence ranges)
@@ -55,6 +62,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from pyagent_framework import kv_cache_format as kv_format
 from pyagent_framework.interfaces.attention import AttentionBackend
 from pyagent_framework.types import AttentionMetadata
 
@@ -105,6 +113,9 @@ class TorchAttention(AttentionBackend):
     ``h`` reads key/value head ``h // (H // KVH)``.
     """
 
+    #: The quantized cache dtypes (``--kv-cache-dtype``) this backend reads and writes.
+    kv_cache_dtypes = ("int8", "fp8")
+
     def __init__(
         self,
         num_heads: int,
@@ -147,7 +158,14 @@ class TorchAttention(AttentionBackend):
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         plan = attention_plan(metadata, kv_cache.device)
-        if kv_cache.numel():
+        if kv_format.is_quantized(kv_cache.dtype):
+            # Every token attends keys/values as the cache holds them, a fresh prompt's own
+            # included, so a prompt computes the same with or without a cached prefix.
+            codes = (kv_format.quantize(key, kv_cache.dtype), kv_format.quantize(value, kv_cache.dtype))
+            key, value = (kv_format.dequantize(rows, self.head_size, query.dtype) for rows in codes)
+            if kv_cache.numel():
+                self._write(kv_cache, *codes, plan)
+        elif kv_cache.numel():
             self._write(kv_cache, key, value, plan)
         if num_tokens == 0:
             return torch.empty_like(query)
@@ -179,6 +197,10 @@ class TorchAttention(AttentionBackend):
     def _index_copy(kv_cache, key, value, slots) -> None:
         if slots.numel() == 0:
             return
+        if kv_format.is_quantized(kv_cache.dtype):  # codes and a scale per row, moved as bytes
+            if key.dtype != kv_cache.dtype:
+                key, value = kv_format.quantize(key, kv_cache.dtype), kv_format.quantize(value, kv_cache.dtype)
+            key, value, kv_cache = key.view(torch.uint8), value.view(torch.uint8), kv_cache.view(torch.uint8)
         # [num_blocks, block_size, KVH, D] -> [num_slots, KVH, D]; views share storage.
         key_cache = kv_cache[0].view(-1, *kv_cache.shape[-2:])
         value_cache = kv_cache[1].view(-1, *kv_cache.shape[-2:])
@@ -192,14 +214,18 @@ class TorchAttention(AttentionBackend):
 
     # ------------------------------------------------------------------ paths
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """Blocks ``block_ids [B, n]`` of keys and values -> ``[2, B, n * block_size, KVH, D]``."""
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Blocks ``block_ids [B, n]`` of keys and values -> ``[2, B, n * block_size, KVH, D]``;
+        a quantized cache's rows come back as floats of ``dtype`` (float32 by default)."""
         _, num_blocks, block_size, kvh, d = kv_cache.shape
         batch, n = block_ids.shape
-        flat = kv_cache.view(2, num_blocks, block_size * kvh * d)
-        gathered = flat.index_select(1, block_ids.reshape(-1))
-        return gathered.view(2, batch, n * block_size, kvh, d)
+        quantized = kv_format.is_quantized(kv_cache.dtype)
+        source = kv_cache.view(torch.uint8) if quantized else kv_cache
+        flat = source.view(2, num_blocks, block_size * kvh * d)
+        gathered = flat.index_select(1, block_ids.reshape(-1)).view(2, batch, n * block_size, kvh, d)
+        if quantized:
+            return kv_format.dequantize(gathered.view(kv_cache.dtype), self.head_size, dtype or torch.float32)
+        return gathered
 
     def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: "DecodeBatch") -> torch.Tensor:
         """One new token per sequence: ``query [B, H, D]`` -> ``[B, H, D]``.
@@ -220,9 +246,11 @@ class TorchAttention(AttentionBackend):
         seq_len = decode.max_seq_len
         tables = decode.tables  # [B, n]
         n = tables.shape[1]
-        q = query.reshape(batch, kvh, self.num_queries_per_kv, d)
         mask = decode.window_mask(self.sliding_window)
         mask = mask if mask.dtype == query.dtype else mask.to(query.dtype)
+        if kv_format.is_quantized(kv_cache.dtype):
+            return self._decode_quantized(query, kv_cache, tables, mask, seq_len)
+        q = query.reshape(batch, kvh, self.num_queries_per_kv, d)
         flat = kv_cache.view(2, num_blocks, block_size * kvh * d)
         if kv_cache.device.type != "cpu":
             kv = flat.index_select(1, tables.reshape(-1))
@@ -237,6 +265,25 @@ class TorchAttention(AttentionBackend):
             rows = (end - start) * n
             kv = workspace[:, :rows]
             torch.index_select(flat, 1, tables[start:end].reshape(-1), out=kv)
+            out[start:end] = self._decode_chunk(
+                q[start:end], kv, mask[start:end], end - start, n * block_size, seq_len, kvh, d
+            )
+        return out.view(batch, self.num_heads, d)
+
+    def _decode_quantized(self, query, kv_cache, tables, mask, seq_len) -> torch.Tensor:
+        """:meth:`decode_attention` over an int8/fp8 cache: a few sequences at a time,
+        their blocks gathered and dequantized to the query's dtype (about
+        ``_DECODE_CHUNK_BYTES`` of floats per chunk), then the float path's SDPA."""
+        batch = query.shape[0]
+        block_size, kvh = kv_cache.shape[2], kv_cache.shape[3]
+        d, n = self.head_size, tables.shape[1]
+        q = query.reshape(batch, kvh, self.num_queries_per_kv, d)
+        per_seq = 2 * n * block_size * kvh * d * query.element_size()
+        chunk = max(1, min(batch, _DECODE_CHUNK_BYTES // per_seq))
+        out = torch.empty_like(q)
+        for start in range(0, batch, chunk):
+            end = min(batch, start + chunk)
+            kv = self._gather(kv_cache, tables[start:end], query.dtype)
             out[start:end] = self._decode_chunk(
                 q[start:end], kv, mask[start:end], end - start, n * block_size, seq_len, kvh, d
             )
@@ -275,7 +322,7 @@ class TorchAttention(AttentionBackend):
             else:
                 out = self._sdpa(q, k, v, is_causal=num_new > 1)
         else:
-            kv = self._gather(kv_cache, plan.seq_tables(metadata, seq, seq_len))[:, 0, :seq_len]  # [2, S, KVH, D]
+            kv = self._gather(kv_cache, plan.seq_tables(metadata, seq, seq_len), query.dtype)[:, 0, :seq_len]  # [2, S, KVH, D]
             if kv.dtype != query.dtype:
                 kv = kv.to(query.dtype)
             k = kv[0].transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]

@@ -273,6 +273,32 @@ def test_the_same_weights_in_another_dtype_are_another_model(path, memory):
     assert stats["kv_connector_lookup_blocks"] > 0 and stats.get("kv_connector_loaded_blocks", 0) == 0
 
 
+def test_a_float_cache_is_another_model_to_an_int8_one(path, memory):
+    """Blocks of codes are not blocks of floats: an int8-cache engine finds none of a
+    float32-cache engine's blocks."""
+    prompts, _, store = _stored_by_a_first_engine(path)
+    other = _engine(path, store, kv_cache_dtype="int8")
+    other.generate(prompts, GREEDY)
+    stats = other.engine.stats()
+    assert stats["kv_connector_lookup_blocks"] > 0 and stats.get("kv_connector_loaded_blocks", 0) == 0
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantized_blocks_round_trip_between_engines(path, memory, dtype):
+    """A second engine with the same cache dtype loads the first's quantized blocks
+    (bytes, scales included) and computes what the first did."""
+    prompts = _prompts()
+    store: dict = {}
+    first = _engine(path, store, kv_cache_dtype=dtype)
+    expected = _run(first, prompts)
+    _flush(first)
+    second = _engine(path, store, kv_cache_dtype=dtype)
+    _same(_run(second, prompts), expected)
+    assert second.engine.stats()["kv_connector_loaded_blocks"] >= 9
+    first.engine.close()
+    second.engine.close()
+
+
 def test_a_block_labelled_with_another_model_is_refused(path, memory):
     """A stored value whose header names another model (here rewritten in place; the
     payload checksum still holds) is a counted miss."""

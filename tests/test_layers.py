@@ -68,6 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pyagent_framework.messages",
             "pyagent_framework.sizes",
             "pyagent_framework.paged_attention",
+            "pyagent_framework.kv_cache_format",
             "pyagent_framework.parallel",
         ),
     ),
@@ -90,6 +91,7 @@ PUBLIC_MODULES = (
     "pyagent_framework.errors",
     "pyagent_framework.sizes",
     "pyagent_framework.paged_attention",
+    "pyagent_framework.kv_cache_format",
     "pyagent_framework.parallel",
     "pyagent_framework.testing",
 )

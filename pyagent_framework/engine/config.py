@@ -74,6 +74,11 @@ def _non_negative(attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be 0 or more, got {value}")
 
 
+def _fraction(attribute, value) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
 def _positive(instance, attribute, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -92,7 +97,9 @@ class EngineConfig:
     quantization_config: Any = attrs.field(default=None, converter=lambda v: _json_mapping("quantization_config", v), metadata={"help": "the quantizer's options as JSON, e.g. '{\"group_size\": 64}' for int4"})
     device: str = attrs.field(default="auto", metadata={"help": "where the model runs: auto (the first CUDA GPU when torch sees one, else cpu), cpu, cuda, cuda:N"})
     dtype: str = attrs.field(default="float32", metadata={"help": "compute dtype: float32, bfloat16, float16"})
-    kv_cache_memory: str | None = attrs.field(default="1GiB", metadata={"help": "KV cache memory budget, e.g. 2GiB"})
+    kv_cache_memory: str | None = attrs.field(default="auto", metadata={"help": "KV cache memory budget, e.g. 2GiB; auto (default): on a GPU what gpu_memory_utilization leaves after the weights and a profiling forward, on a CPU a quarter of the available RAM, at most 4GiB"})
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=lambda _, a, v: _fraction(a, v), metadata={"help": "with kv_cache_memory auto on a GPU: the share of the device's memory this engine may use in all (weights, activations, KV cache)"})
+    kv_cache_dtype: str = attrs.field(default="auto", validator=lambda _, a, v: _one_of(a, v, ("auto", "int8", "fp8", "fp8_e4m3")), metadata={"help": "what the KV cache stores: auto (the model's dtype), int8 or fp8 (e4m3; fp8_e4m3 is the same): one byte per number plus a float32 scale per token and head, about 1/4 of float32's bytes and 1/2 of bfloat16's"})
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "KV cache size in blocks (overrides --kv-cache-memory)"})
     block_size: int = attrs.field(default=16, validator=_positive, metadata={"help": "tokens per KV block"})
     max_num_seqs: int = attrs.field(default=64, validator=_positive, metadata={"help": "most sequences in one step"})
@@ -144,7 +151,9 @@ class EngineConfig:
             raise ConfigError(f"grammar_cache_memory: {exc}", field="grammar_cache_memory") from None
 
     def kv_cache_bytes(self) -> int | None:
-        if self.kv_cache_memory is None:
+        """The fixed budget, or None for ``auto`` (sized from the device: see
+        :mod:`pyagent_framework.engine.kv_sizing`)."""
+        if self.kv_cache_memory is None or str(self.kv_cache_memory).strip().lower() == "auto":
             return None
         try:
             return parse_size(self.kv_cache_memory)

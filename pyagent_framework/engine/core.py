@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pyagent_framework import parallel, registries
-from pyagent_framework.engine import loader, setup
+from pyagent_framework.engine import kv_sizing, loader, setup
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.errors import TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
@@ -59,7 +59,9 @@ class EngineCore:
         # "auto" / unset resolved to the names that run (native ones when installed).
         self.attention_backend = loader.choose_attention_backend(config.attention_backend, self.device)
         self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format, self.device)
-        self.layer_ops = layer_ops(loader.load_entry(registries.attention_backends, self.attention_backend, "attention_backend"))
+        backend_cls = loader.load_entry(registries.attention_backends, self.attention_backend, "attention_backend")
+        self.layer_ops = layer_ops(backend_cls)
+        kv_dtype = setup.kv_cache_dtype(config, backend_cls, self.attention_backend)
         logger.info("device %s, attention backend %r, quantization %r", self.device, self.attention_backend, self.quantization)
         # Names are checked before the weights load, so a misspelt one fails fast.
         grammar_backend = setup.check_grammar_backend(config.grammar_backend)
@@ -82,7 +84,9 @@ class EngineCore:
         self.lora = setup.make_lora(config, self.model, self.device, self.layer_ops)  # before the KV cache: its slots take memory too
         self.vocab_size = int(self.model_config.get("vocab_size") or self.tokenizer.vocab_size)
         self.max_model_len = setup.max_model_len(config, self.model_config)
-        self.kv_cache, num_blocks = setup.allocate_kv_cache(config, self.model, self.max_model_len, self.device)
+        self.kv_cache, num_blocks = setup.allocate_kv_cache(
+            config, self.model, self.max_model_len, self.device, dtype=kv_dtype, profile=self._profile_forward
+        )
         self.kv_caches = list(self.kv_cache.unbind(0))  # one [2, blocks, ...] view per layer
         # Blocks of one engine hold one model's keys/values; the key still marks whose.
         # With a KV connector, blocks are shared between engines wherever the files lie,
@@ -137,6 +141,13 @@ class EngineCore:
         self._batch: ScheduledBatch | None = None  # the step under way, once scheduled
         self.step_times = StepTimes()  # of steps that ran the model
         self.profiler = Profiler(self.device)
+
+    def _profile_forward(self) -> int:
+        """The activation peak (bytes) of the largest step, for sizing the KV cache on a GPU."""
+        return kv_sizing.profile_forward(
+            self.model, self.device, num_tokens=self.config.max_num_batched_tokens, num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.config.block_size,
+        )
 
     def info(self) -> CoreInfo:
         return CoreInfo(

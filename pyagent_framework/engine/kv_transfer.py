@@ -57,7 +57,7 @@ logger = logging.getLogger("pyagent_framework.engine")
 MAGIC = b"PYAGKV\r\n"  # the \r\n catches text-mode mangling, as PNG's signature does
 FORMAT_VERSION = 1
 ROLES = ("producer", "consumer", "both")
-_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4, torch.float8_e4m3fn: 5}
 _DTYPE_NAMES = {code: dtype for dtype, code in _DTYPES.items()}
 # magic, version, dtype, reserved, layers, block_size, kv heads, head dim,
 # model identity (32), key length, key (64, zero padded), payload length, payload sha256 (32)
@@ -306,7 +306,9 @@ class KVTransfer:
         if not todo:
             return
         index = torch.tensor([block for _, block in todo], device=self.kv_cache.device)
-        copies = self.kv_cache.index_select(2, index).movedim(2, 0).to("cpu")  # [n, layers, 2, bs, kvh, d]
+        # Through bytes: torch cannot index_select an fp8 tensor on the CPU.
+        raw = self.kv_cache.view(torch.uint8).index_select(2, index).view(self.kv_cache.dtype)
+        copies = raw.movedim(2, 0).to("cpu")  # [n, layers, 2, bs, kvh, d]
         if self._saver is None:
             self._saver = threading.Thread(target=self._save_loop, name="pyagent-kv-saver", daemon=True)
             self._saver.start()

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from pyagent_framework import kv_cache_format as kv_format
 from pyagent_framework import registries
-from pyagent_framework.engine import loader
+from pyagent_framework.engine import kv_sizing, loader
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
 from pyagent_framework.engine.kv_transfer import KVTransfer
@@ -136,6 +137,8 @@ def model_identity(config: EngineConfig, model_path: str, model_config: dict, qu
         return hashlib.sha256(b"pyagent-framework named model\0" + str(named).encode()).digest()
     options = json.dumps(config.quantization_config or {}, sort_keys=True, default=str)
     variant = f"dtype={config.dtype} quantization={quantization} options={options}"
+    if config.kv_cache_dtype != "auto":  # blocks of codes are not blocks of floats
+        variant += f" kv_cache_dtype={kv_format.cache_dtype(config.kv_cache_dtype, torch.float32)}"
     return loader.model_identity(model_path, model_config, variant)
 
 
@@ -181,21 +184,53 @@ def check_tensor_parallel(config: EngineConfig, device: Any) -> None:
         import_ray("distributed_executor_backend")
 
 
-def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device: Any) -> tuple[torch.Tensor, int]:
-    dtype = loader.torch_dtype(config.dtype)
-    per_block = model.kv_cache_shape(1, config.block_size)
-    bytes_per_block = math.prod(per_block) * torch.empty((), dtype=dtype).element_size()
+def kv_cache_dtype(config: EngineConfig, backend_cls: Any, backend_name: str) -> torch.dtype:
+    """The dtype the KV cache stores (``kv_cache_dtype``), refused when the attention
+    backend does not declare that it reads it (its ``kv_cache_dtypes``)."""
+    model_dtype = loader.torch_dtype(config.dtype)
+    dtype = kv_format.cache_dtype(config.kv_cache_dtype, model_dtype)
+    if kv_format.is_quantized(dtype):
+        name = "fp8" if dtype == torch.float8_e4m3fn else "int8"
+        supported = tuple(getattr(backend_cls, "kv_cache_dtypes", ()) or ())
+        if name not in supported:
+            raise ConfigError(
+                f"kv_cache_dtype {config.kv_cache_dtype!r}: attention backend {backend_name!r} does not read a "
+                f"{name} KV cache (it reads: {', '.join(supported) or 'the model dtype only'}); use kv_cache_dtype "
+                "auto or another attention backend",
+                field="kv_cache_dtype",
+            )
+    return dtype
+
+
+def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device: Any, *,
+                      dtype: torch.dtype | None = None, profile: Any = None) -> tuple[torch.Tensor, int]:
+    """The zero-filled KV cache of every layer and its number of blocks: ``num_kv_blocks``,
+    else ``kv_cache_memory`` (``auto``: from the device, ``profile`` giving a GPU's
+    activation peak; see :mod:`~pyagent_framework.engine.kv_sizing`)."""
+    dtype = dtype if dtype is not None else kv_format.cache_dtype(config.kv_cache_dtype, loader.torch_dtype(config.dtype))
+    layers, two, _, block_size, kv_heads, head_dim = model.kv_cache_shape(1, config.block_size)
+    row = kv_format.row_width(head_dim, dtype)
+    shape = lambda blocks: (layers, two, blocks, block_size, kv_heads, row)  # noqa: E731
+    bytes_per_block = math.prod(shape(1)) * torch.empty((), dtype=dtype).element_size()
+    how = None
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        num_blocks = config.kv_cache_bytes() // bytes_per_block
+        budget = config.kv_cache_bytes()
+        if budget is None:
+            budget, how = kv_sizing.auto_budget(device, gpu_memory_utilization=config.gpu_memory_utilization,
+                                                profile=profile)
+        num_blocks = budget // bytes_per_block
     capacity = num_blocks * config.block_size
     if capacity < context_len:
         raise ConfigError(
             f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
-            f"max_model_len={context_len}: raise kv_cache_memory/num_kv_blocks or lower max_model_len",
+            f"max_model_len={context_len}: raise kv_cache_memory/num_kv_blocks"
+            f"{' (auto: ' + how + ')' if how else ''} or lower max_model_len",
             field="kv_cache_memory",
         )
-    cache = torch.zeros(model.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=device)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.block_size, cache.nbytes / 2**20)
+    cache = kv_sizing.allocate_zeros(shape(num_blocks), dtype, device)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens, %s, %.1f MiB%s", num_blocks, config.block_size, capacity,
+                config.kv_cache_dtype if config.kv_cache_dtype != "auto" else str(dtype).removeprefix("torch."),
+                cache.nbytes / 2**20, f" (auto: {how})" if how else "")
     return cache, num_blocks

@@ -37,6 +37,13 @@ class AttentionBackend(ABC):
     routing_weights [T, k])``, returns each token's routing-weighted sum of its experts'
     outputs.
 
+    Optional: a class attribute ``kv_cache_dtypes``, the quantized KV cache dtypes the
+    backend reads and writes (``"int8"``, ``"fp8"``: ``kv_cache`` is then ``[2,
+    num_blocks, block_size, num_kv_heads, head_size + 4]`` of ``torch.int8`` or
+    ``torch.float8_e4m3fn``, each row its codes and a float32 scale, as
+    :mod:`pyagent_framework.kv_cache_format` defines). Without it the engine serves the
+    backend only a float cache of the model's dtype.
+
     Optional: a class attribute ``layer_ops``, a :class:`LayerOps` whose methods the
     models use for the norms, rotary embedding and gated MLP around attention, and the
     engine for grammar masks (fused kernels for the device the backend runs on).
