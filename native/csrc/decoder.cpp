@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "kv_quant.h"
 
 namespace pyagent {
 namespace {
@@ -189,14 +190,25 @@ void decode_layers(const DecoderShape& s, const std::vector<DecoderLayerWeights>
         throw std::out_of_range("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot) +
                                 " is outside the cache's " + std::to_string(c.num_blocks * c.block_size) + " slots");
       }
-      std::copy(k, k + kv_size, c.keys + slot * kv_size);
-      std::copy(k + kv_size, k + 2 * kv_size, c.values + slot * kv_size);
+      if (c.codes == KVCodes::None) {
+        std::copy(k, k + kv_size, c.keys + slot * kv_size);
+        std::copy(k + kv_size, k + 2 * kv_size, c.values + slot * kv_size);
+      } else {
+        const int64_t row = kv_row_bytes(D);
+        for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+          quantize_kv_row(k + h * D, D, c.codes, c.key_codes + (slot * s.num_kv_heads + h) * row);
+          quantize_kv_row(k + kv_size + h * D, D, c.codes, c.value_codes + (slot * s.num_kv_heads + h) * row);
+        }
+      }
     }
     DecodeArgs a{};
     a.out = ws.attn.data();
     a.query = ws.q.data();
     a.key_cache = c.keys;
     a.value_cache = c.values;
+    a.key_cache_codes = c.key_codes;
+    a.value_cache_codes = c.value_codes;
+    a.codes_kind = c.codes;
     a.block_tables = b.block_tables;
     a.seq_lens = b.seq_lens;
     a.num_seqs = T;

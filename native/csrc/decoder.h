@@ -107,11 +107,16 @@ struct DecoderBatch {
   const int32_t* lora_slots = nullptr;  // [T] each row's LoRA slot (-1: none), or nullptr: no adapters
 };
 
+// A layer's cache: float32, or int8/fp8 rows of head_dim codes and their float16 scales
+// (kv_quant.h; the new rows are quantized as kv_cache_format.quantize does).
 struct LayerCache {
-  float* keys;    // [num_blocks, block_size, num_kv_heads, head_dim]
+  float* keys;    // [num_blocks, block_size, num_kv_heads, head_dim]; null for a quantized cache
   float* values;  // same
   int64_t num_blocks;
   int64_t block_size;
+  uint8_t* key_codes = nullptr;  // [num_blocks, block_size, num_kv_heads, kv_row_bytes(head_dim)] bytes
+  uint8_t* value_codes = nullptr;
+  KVCodes codes = KVCodes::None;
 };
 
 // Scratch reused across calls (grown on demand).

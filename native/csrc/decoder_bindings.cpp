@@ -11,6 +11,7 @@
 
 #include "array_checks.h"
 #include "decoder.h"
+#include "kv_quant.h"
 #include "quant_names.h"
 
 namespace py = pybind11;
@@ -61,7 +62,14 @@ class DecoderStack {
   }
 
   void decode(py::array x, py::array cos, py::array sin, const py::list& kv_caches, py::array slots,
-              py::array block_tables, py::array seq_lens, int num_threads, const py::object& lora_slots) {
+              py::array block_tables, py::array seq_lens, int num_threads, const py::object& lora_slots,
+              const std::string& kv_dtype) {
+    pyagent::KVCodes codes;
+    try {
+      codes = pyagent::parse_kv_dtype(kv_dtype);
+    } catch (const std::invalid_argument& exc) {
+      throw py::value_error(exc.what());
+    }
     pyagent::DecoderBatch b{};
     b.x = array_data<float>(x, "x", {-1, shape_.hidden}, true);
     b.T = x.shape(0);
@@ -86,7 +94,15 @@ class DecoderStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const std::string name = "kv_caches[" + std::to_string(l) + "]";
       py::array cache = kv_caches[l].cast<py::array>();
-      float* data = array_data<float>(cache, name, {2, -1, -1, shape_.num_kv_heads, shape_.head_dim}, true);
+      float* data = nullptr;
+      uint8_t* bytes = nullptr;
+      if (codes == pyagent::KVCodes::None) {
+        data = array_data<float>(cache, name, {2, -1, -1, shape_.num_kv_heads, shape_.head_dim}, true);
+      } else {
+        const int64_t row = pyagent::kv_row_bytes(shape_.head_dim);
+        bytes = array_data<uint8_t>(cache, name, {2, -1, -1, shape_.num_kv_heads, row}, true,
+                                    "the stack's shape: head_dim codes and their scales' bytes");
+      }
       const int64_t num_blocks = cache.shape(1), block_size = cache.shape(2);
       for (int64_t t = 0; t < b.T; ++t) {
         if (b.seq_lens[t] > b.table_stride * block_size) {
@@ -95,8 +111,14 @@ class DecoderStack {
                                 std::to_string(block_size) + ")");
         }
       }
-      const int64_t half_cache = num_blocks * block_size * shape_.num_kv_heads * shape_.head_dim;
-      caches.push_back({data, data + half_cache, num_blocks, block_size});
+      if (codes == pyagent::KVCodes::None) {
+        const int64_t half_cache = num_blocks * block_size * shape_.num_kv_heads * shape_.head_dim;
+        caches.push_back({data, data + half_cache, num_blocks, block_size});
+      } else {
+        const int64_t half_cache =
+            num_blocks * block_size * shape_.num_kv_heads * pyagent::kv_row_bytes(shape_.head_dim);
+        caches.push_back({nullptr, nullptr, num_blocks, block_size, bytes, bytes + half_cache, codes});
+      }
     }
     if (!lora_slots.is_none()) {
       if (lora_slots_ < 0) throw py::value_error("lora_slots: no layer of this stack has LoRA adapters");
@@ -267,9 +289,13 @@ void bind_decoder(py::module_& m) {
            py::arg("intermediate"), py::arg("eps"), py::arg("scale"), py::arg("layers"))
       .def("decode", &DecoderStack::decode, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("num_threads") = 1,
-           py::arg("lora_slots") = py::none(),
+           py::arg("lora_slots") = py::none(), py::arg("kv_dtype") = "auto",
            "Advance x [T, hidden] in place through every layer: T sequences, one new token each; "
-           "lora_slots (int32 [T], -1: none) picks each row's LoRA adapter in the layers that have them.")
+           "lora_slots (int32 [T], -1: none) picks each row's LoRA adapter in the layers that have them. "
+           "kv_dtype: 'auto' (float32 caches [2, blocks, block_size, kv_heads, head_dim]) or 'int8' / 'fp8' "
+           "(uint8 caches [2, blocks, block_size, kv_heads, head_dim + 2 * groups]: each row's codes and float16 "
+           "scales, "
+           "the new rows written as kv_cache_format.quantize writes them).")
       .def_property_readonly("has_lora", &DecoderStack::has_lora)
       .def("__len__", &DecoderStack::num_layers);
 }

@@ -8,18 +8,26 @@
 
 namespace pyagent {
 
+// What a quantized KV cache's codes are (kv_quant.h): None for a float cache.
+enum class KVCodes : int { None, Int8, Fp8 };
+
 // One decode step of paged attention: every sequence brings one query token.
 //   out, query:  [num_seqs, num_heads, head_size]                (C-contiguous)
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+//     (a quantized cache: [num_blocks, block_size, num_kv_heads, kv_row_bytes(head_size)]
+//     bytes, each row its codes and its groups' float16 scales, see kv_quant.h)
 //   block_tables: [num_seqs, table_stride] int32, seq_lens: [num_seqs] int32
 // Query head h reads key/value head h / (num_heads / num_kv_heads).
 struct DecodeArgs {
   float* out;
   const float* query;
-  const float* key_cache;    // float32 caches; null when the bfloat16 pair is set
+  const float* key_cache;    // float32 caches; null when the bfloat16 or quantized pair is set
   const float* value_cache;
   const uint16_t* key_cache_bf16 = nullptr;  // bfloat16 caches (the bits), read widened to float32
   const uint16_t* value_cache_bf16 = nullptr;
+  const uint8_t* key_cache_codes = nullptr;  // int8 or fp8 caches (codes_kind), read as decode(code) * scale
+  const uint8_t* value_cache_codes = nullptr;
+  KVCodes codes_kind = KVCodes::None;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   int64_t num_seqs;

@@ -9,6 +9,7 @@
 
 #include "array_checks.h"
 #include "dispatch.h"
+#include "kv_quant.h"
 #include "policies.h"
 #include "prefix.h"
 #include "quant_names.h"
@@ -23,15 +24,31 @@ namespace {
 using pyagent::bindings::checked;
 using pyagent::bindings::expect_dim;
 
+// A quantized cache's bytes: uint8 (or int8, the int8 codes as they are) [blocks,
+// block_size, kv_heads, kv_row_bytes(head_size)], C-contiguous.
+const uint8_t* checked_codes(const py::array& arr, const std::string& name) {
+  if (py::isinstance<py::array_t<int8_t>>(arr) && arr.dtype().is(py::dtype::of<int8_t>())) {
+    return reinterpret_cast<const uint8_t*>(checked<int8_t>(arr, name, 4));
+  }
+  return checked<uint8_t>(arr, name, 4);
+}
+
 void paged_decode_attention(py::array out, py::array query, py::array key_cache, py::array value_cache,
                             py::array block_tables, py::array seq_lens, float scale, int num_threads,
-                            const std::string& isa, int64_t sliding_window, float logit_softcap) {
+                            const std::string& isa, int64_t sliding_window, float logit_softcap,
+                            const std::string& kv_dtype) {
   pyagent::DecodeArgs a{};
   a.out = const_cast<float*>(checked<float>(out, "out", 3, true));
   a.query = checked<float>(query, "query", 3);
+  a.codes_kind = pyagent::parse_kv_dtype(kv_dtype);
+  int64_t row_width = query.shape(2);  // the caches' last dimension
   // float32 caches, or bfloat16 ones passed as their bits in int16 arrays (numpy has no
-  // bfloat16), both the same.
-  if (py::isinstance<py::array_t<int16_t>>(key_cache) && key_cache.dtype().is(py::dtype::of<int16_t>())) {
+  // bfloat16), both the same; int8/fp8 ones as their bytes.
+  if (a.codes_kind != pyagent::KVCodes::None) {
+    a.key_cache_codes = checked_codes(key_cache, "key_cache");
+    a.value_cache_codes = checked_codes(value_cache, "value_cache");
+    row_width = pyagent::kv_row_bytes(row_width);
+  } else if (py::isinstance<py::array_t<int16_t>>(key_cache) && key_cache.dtype().is(py::dtype::of<int16_t>())) {
     a.key_cache_bf16 = reinterpret_cast<const uint16_t*>(checked<int16_t>(key_cache, "key_cache", 4));
     a.value_cache_bf16 = reinterpret_cast<const uint16_t*>(checked<int16_t>(value_cache, "value_cache", 4));
   } else {
@@ -58,7 +75,8 @@ void paged_decode_attention(py::array out, py::array query, py::array key_cache,
   }
   for (int i = 0; i < 3; ++i) expect_dim(out, "out", i, query.shape(i), "as query");
   for (int i = 0; i < 4; ++i) expect_dim(value_cache, "value_cache", i, key_cache.shape(i), "as key_cache");
-  expect_dim(key_cache, "key_cache", 3, a.head_size, "query's head size");
+  expect_dim(key_cache, "key_cache", 3, row_width,
+             a.codes_kind == pyagent::KVCodes::None ? "query's head size" : "query's head size and its scales' bytes");
   if (a.head_size < 1 || a.head_size > 1024) {
     throw py::value_error("head size " + std::to_string(a.head_size) + " is outside 1..1024");
   }
@@ -96,6 +114,19 @@ void linear(py::array out, py::array x, py::array weight, py::object bias, int n
   if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
   py::gil_scoped_release release;
   pyagent::linear(a, num_threads, isa);
+}
+
+// out[N, kv_row_bytes(D)] = the float32 rows x[N, D] as a quantized cache's rows (kv_quant.h).
+void quantize_kv_rows(py::array out, py::array x, const std::string& kv_dtype) {
+  const pyagent::KVCodes kind = pyagent::parse_kv_dtype(kv_dtype);
+  if (kind == pyagent::KVCodes::None) throw py::value_error("kv_dtype: expected 'int8' or 'fp8', got 'auto'");
+  const float* src = checked<float>(x, "x", 2);
+  uint8_t* dst = const_cast<uint8_t*>(checked<uint8_t>(out, "out", 2, true));
+  const int64_t N = x.shape(0), D = x.shape(1);
+  expect_dim(out, "out", 0, N, "x's rows");
+  expect_dim(out, "out", 1, pyagent::kv_row_bytes(D), "x's columns and their scales' bytes");
+  py::gil_scoped_release release;
+  for (int64_t i = 0; i < N; ++i) pyagent::quantize_kv_row(src + i * D, D, kind, dst + i * pyagent::kv_row_bytes(D));
 }
 
 // out[M, n] = silu(gate_up[:, :n]) * gate_up[:, n:], the fused gate/up layout.
@@ -221,8 +252,15 @@ PYBIND11_MODULE(_core, m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("num_threads") = 1, py::arg("isa") = "auto", py::arg("sliding_window") = 0, py::arg("logit_softcap") = 0.0f,
+        py::arg("kv_dtype") = "auto",
         "Decode attention over a paged KV cache, in place (see csrc/kernels.h for the layout); the caches are "
-        "float32, or bfloat16 given as their bits in int16 arrays.");
+        "float32, or bfloat16 given as their bits in int16 arrays (kv_dtype 'auto'), or int8 / fp8 (e4m3fn) "
+        "rows of head_size codes and a float16 scale per group of 32 (else 16, else the row) given as their "
+        "bytes, uint8 [blocks, block_size, kv_heads, head_size + 2 * groups] (kv_dtype 'int8' or 'fp8'; an int8 "
+        "array is taken too), as pyagent_framework.kv_cache_format defines them.");
+  m.def("quantize_kv_rows", &quantize_kv_rows, py::arg("out"), py::arg("x"), py::arg("kv_dtype"),
+        "out[N, D + 2 * groups] (uint8) = the rows x[N, D] (float32) as a quantized KV cache stores them ('int8' "
+        "or 'fp8'): D codes and each group's float16 scale, bit for bit kv_cache_format.quantize.");
   m.def("linear", &linear, py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
         py::arg("num_threads") = 1, py::arg("isa") = "auto",
         "out = x @ weight.T (+ bias) for a few rows of x, streaming the weight once.");

@@ -10,7 +10,11 @@ which is also this kernel's reference twin in the tests.
 
 The kernel serves float32 and bfloat16 caches on the CPU (a bfloat16 model's query is
 widened to float32, the arithmetic is float32's and the output is rounded back to
-bfloat16); any other device or dtype falls back to the inherited torch path.
+bfloat16), and the quantized int8 and fp8 (e4m3fn) caches of
+:mod:`pyagent_framework.kv_cache_format` (a float32 or bfloat16 query; each row's codes
+read in place and widened with their groups' scales, so the result is the float32
+kernel's on the dequantized cache while a row of 64 moves 68 bytes instead of 256);
+any other device or dtype falls back to the inherited torch path.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from pyagent_native import _core
 # runs the kernel inside the native core, with no torch op around it, and is unaffected.
 SHARED_THREADS_MIN_ROWS = 1 << 17
 
-# The cache dtypes the kernel reads, and the dtype it receives each as.
+# The cache dtypes the kernel reads: the dtype it receives each as, and its kv_dtype.
 _CACHE_BITS = {torch.float32: torch.float32, torch.bfloat16: torch.int16}
+_CACHE_CODES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+# The query dtypes that may go with a quantized cache (widened to float32).
+_CODES_QUERY = (torch.float32, torch.bfloat16)
 
 
 def _as_array(tensor: torch.Tensor):
@@ -70,9 +77,18 @@ class NativeAttention(TorchAttention):
         return torch.get_num_threads() if rows >= SHARED_THREADS_MIN_ROWS else 1
 
     def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch) -> torch.Tensor:
-        if kv_cache.device.type != "cpu" or kv_cache.dtype not in _CACHE_BITS or query.dtype != kv_cache.dtype:
+        if kv_cache.device.type != "cpu" or query.device.type != "cpu":
             return super().decode_attention(query, kv_cache, decode)
-        cache = kv_cache.view(_CACHE_BITS[kv_cache.dtype])  # numpy has no bfloat16: its bits
+        kv_dtype = _CACHE_CODES.get(kv_cache.dtype)
+        if kv_dtype is not None:
+            if query.dtype not in _CODES_QUERY:
+                return super().decode_attention(query, kv_cache, decode)
+            cache = kv_cache.view(torch.uint8)  # numpy has no float8: the bytes, codes and scales
+        elif kv_cache.dtype in _CACHE_BITS and query.dtype == kv_cache.dtype:
+            kv_dtype = "auto"
+            cache = kv_cache.view(_CACHE_BITS[kv_cache.dtype])  # numpy has no bfloat16: its bits
+        else:
+            return super().decode_attention(query, kv_cache, decode)
         query32 = query.to(torch.float32).contiguous()
         out = torch.empty_like(query32)
         _core.paged_decode_attention(
@@ -87,5 +103,6 @@ class NativeAttention(TorchAttention):
             self.isa,
             self.sliding_window or 0,
             self.logit_softcap or 0.0,
+            kv_dtype,
         )
         return out.to(query.dtype)

@@ -30,6 +30,12 @@ adapter, as the engine's ``LoRALinear`` does)
 
 The core checks every operand when the stack is built (a ValueError naming the layer
 and linear).
+
+The KV caches are float32, or the int8 / fp8 (e4m3fn) caches of
+:mod:`pyagent_framework.kv_cache_format`: the step writes each new key and value row
+as ``kv_cache_format.quantize`` does (the same codes and scales for the same float32
+row) and attends through the kernel that reads them in place. A batch over caches of
+another dtype is left to the model's forward.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from pyagent_native import _core
 logger = logging.getLogger(__name__)
 
 _LINEARS = ("qkv", "o", "gate_up", "down")
+# The cache dtypes the step reads and writes, as the core's kv_dtype.
+_CACHE_KINDS = {torch.float32: "auto", torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
 
 def linear_operand(module: Any) -> dict | None:
@@ -119,10 +127,15 @@ class FusedDecoder:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list, metadata,
                  lora_slots: torch.Tensor | None = None) -> bool:
         """Advance ``x [T, hidden]`` (float32, in place) through every layer when the
-        batch is pure decode on the CPU; returns False (nothing done) otherwise.
-        ``lora_slots`` (int ``[T]``, -1: none) adds each row's LoRA adapter."""
+        batch is pure decode on the CPU over float32, int8 or fp8 caches; returns False
+        (nothing done) otherwise. ``lora_slots`` (int ``[T]``, -1: none) adds each
+        row's LoRA adapter."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
             return False
+        kinds = {_CACHE_KINDS.get(cache.dtype) for cache in kv_caches}
+        if len(kinds) != 1 or None in kinds or any(cache.device.type != "cpu" for cache in kv_caches):
+            return False
+        (kv_dtype,) = kinds
         plan = attention_plan(metadata, x.device)
         if not plan.pure_decode or x.shape[0] == 0:
             return False
@@ -134,11 +147,12 @@ class FusedDecoder:
             x.numpy(),
             cos.contiguous().numpy(),
             sin.contiguous().numpy(),
-            [cache.numpy() for cache in kv_caches],
+            [(cache if kv_dtype == "auto" else cache.view(torch.uint8)).numpy() for cache in kv_caches],
             slots.contiguous().numpy(),
             decode.block_tables.numpy(),
             decode.seq_lens.numpy(),
             torch.get_num_threads(),
             None if lora_slots is None else lora_slots.to(torch.int32).contiguous().numpy(),
+            kv_dtype,
         )
         return True
