@@ -82,7 +82,7 @@ def bytes_per_row(head_dim: int, dtype: torch.dtype) -> int:
 
 def scales(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The float32 scales ``[..., head_dim / G]`` of quantized rows ``[..., width]``."""
-    raw = rows.view(torch.uint8)[..., head_dim:].contiguous()
+    raw = rows.view(torch.uint8)[..., head_dim:].clone()  # a copy: the slice may start at an odd byte
     return raw.view(torch.float16).to(torch.float32)
 
 

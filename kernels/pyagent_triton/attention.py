@@ -45,11 +45,21 @@ masked.
     row's window are skipped. Programs past their sequence's query length return at
     once.
 
+Both also read an int8 or fp8 (e4m3fn) cache, ``[2, num_blocks, block_size,
+num_kv_heads, row_width(head_dim)]`` (:mod:`pyagent_framework.kv_cache_format`: each
+row its codes, then a float16 scale per group of 32, 16 or ``head_dim`` numbers), as
+bytes, ``head_dim`` taken from the query: key and value tiles are dequantized in
+float32 as they are loaded (each code times its group's scale, the scales spread over
+the tile's columns) and then enter ``QK^T`` and ``PV`` as a float cache's keys and
+values do, rounded to the query's dtype. The decoding and the scale loads are in
+:mod:`pyagent_triton.kv_quant`.
+
 The ``*_reference`` twins compute the same thing in plain torch, written for obvious
 correctness rather than speed (a loop over sequences, each gathering its keys and
 values through its block table, float32 softmax with explicit causal and window
-masks). They are what the kernel tests compare against, and are themselves checked
-against ``scaled_dot_product_attention`` on an unpaged copy.
+masks; a quantized cache dequantized to the query's dtype first). They are what the
+kernel tests compare against, and are themselves checked against
+``scaled_dot_product_attention`` on an unpaged copy.
 """
 
 from __future__ import annotations
@@ -61,6 +71,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pyagent_framework import kv_cache_format
+
+from pyagent_triton import kv_quant
 from pyagent_triton.runtime import next_pow2
 
 __all__ = [
@@ -84,6 +97,30 @@ _MAX_SPLITS = 32
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, dtype, DOT_PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """``a @ b`` in float32 with both rounded to ``dtype`` first (the query's).
+
+    ``WIDEN`` (bfloat16 in Triton's interpreter, whose ``tl.dot`` multiplies the raw
+    bits of bfloat16 tensors and whose float32-to-bfloat16 cast truncates): the
+    operands are rounded to bfloat16 as a GPU does, and multiplied as float32."""
+    if WIDEN:
+        a = _round_to_bfloat16(a.to(tl.float32))
+        b = _round_to_bfloat16(b.to(tl.float32))
+    else:
+        a = a.to(dtype)
+        b = b.to(dtype)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -112,13 +149,30 @@ def _attend_keys(
     stride_vd,
     offs_d,
     d_mask,
+    head_dim,
+    num_groups,  # scales per cached row (quantized caches)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Online softmax of ``q`` over the keys at positions ``lo <= k < hi`` (causal and
-    windowed per row); returns the updated ``(acc, m_i, l_i)``."""
+    windowed per row); returns the updated ``(acc, m_i, l_i)``.
+
+    With a quantized cache (``QUANT``; the caches are byte views) keys and values are
+    dequantized in float32 (each code times its group's scale, spread over the tile's
+    columns by :func:`kv_quant.column_scales`) and then rounded to the query's dtype
+    for the products, as the torch backend rounds the cache it dequantizes. A key's
+    scales cannot be taken out of ``QK^T`` as one factor per score column (there is one
+    per group); summing a partial product per group would take one ``tl.dot`` per group
+    with ``q`` masked to that group's columns (Triton cannot slice a tile): several
+    times the ``QK^T`` work, for precision beyond what the torch backend reads.
+    Scaling the probabilities instead of the values would push small rows below
+    float16's range. ``WIDEN``: see :func:`_dot`."""
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
@@ -133,7 +187,12 @@ def _attend_keys(
             mask=k_valid[None, :] & d_mask[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if QUANT != 0:
+            k = kv_quant.decode_codes(k, QUANT) * kv_quant.column_scales(
+                k_cache + k_off, head_dim * stride_kd, stride_kd, num_groups, k_valid,
+                BLOCK_N, BLOCK_D, SCALE_GROUP, True,
+            )  # fmt: skip
+        scores = _dot(q, k, q.dtype, DOT_PRECISION, WIDEN) * qk_scale
         if SOFTCAP:
             # cap * tanh(scores / cap) with tanh(x) = 1 - 2 / (exp(2x) + 1), then to base 2.
             tanh = 1.0 - 2.0 / (tl.exp2(scores * (2.0 * 1.4426950408889634 / softcap)) + 1.0)
@@ -157,7 +216,12 @@ def _attend_keys(
             mask=k_valid[:, None] & d_mask[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        if QUANT != 0:
+            v = kv_quant.decode_codes(v, QUANT) * kv_quant.column_scales(
+                v_cache + v_off, head_dim * stride_vd, stride_vd, num_groups, k_valid,
+                BLOCK_N, BLOCK_D, SCALE_GROUP, False,
+            )  # fmt: skip
+        acc = acc * alpha[:, None] + _dot(p, v, q.dtype, DOT_PRECISION, WIDEN)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -177,6 +241,7 @@ def _decode_kernel(
     softcap,
     window,
     head_dim,
+    num_groups,
     num_heads,
     num_splits,
     stride_qb,
@@ -202,6 +267,9 @@ def _decode_kernel(
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,7 +302,8 @@ def _decode_kernel(
         k_cache, v_cache, block_tables + seq * stride_table, kv_head,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
+        offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
+        SCALE_GROUP, WIDEN,
     )  # fmt: skip
 
     if SPLIT_K:
@@ -310,6 +379,7 @@ def _prefill_kernel(
     softcap,
     window,
     head_dim,
+    num_groups,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -333,6 +403,9 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -372,7 +445,8 @@ def _prefill_kernel(
         k_cache, v_cache, block_tables + seq * stride_table, kv_head,
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
-        offs_d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
+        offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
+        SCALE_GROUP, WIDEN,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -418,6 +492,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _widen(query: torch.Tensor) -> bool:
+    # Kernels run on CPU tensors only in Triton's interpreter, whose tl.dot misreads
+    # bfloat16; float32 operands holding the same bfloat16 values give the same products.
+    return query.device.type == "cpu" and query.dtype == torch.bfloat16
+
+
 def _window(sliding_window: int | None) -> int:
     if sliding_window is None:
         return _NO_WINDOW
@@ -445,11 +525,20 @@ def _check_common(query, kv_cache, seq_lens, block_tables, scale, num_seqs: int,
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {_shape(kv_cache)}"
         )
-    if kv_cache.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"kv_cache must be float32, float16 or bfloat16, got {kv_cache.dtype}")
+    quantized = kv_cache_format.is_quantized(kv_cache.dtype)
+    if kv_cache.dtype not in _FLOAT_DTYPES and not quantized:
+        raise ValueError(
+            f"kv_cache must be float32, float16, bfloat16, int8 or float8_e4m3fn, got {kv_cache.dtype}"
+        )
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    if kv_cache.shape[4] != head_dim:
+    if kv_cache.shape[4] != kv_cache_format.row_width(head_dim, kv_cache.dtype):
+        if quantized:
+            width = kv_cache_format.row_width(head_dim, kv_cache.dtype)
+            raise ValueError(
+                f"kv_cache rows of {kv_cache.dtype} codes must be {width} wide (codes and float16 scales) "
+                f"for query head_dim {head_dim}, got {kv_cache.shape[4]}"
+            )
         raise ValueError(f"kv_cache head_dim ({kv_cache.shape[4]}) differs from query head_dim ({head_dim})")
     if num_heads == 0 or num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(
@@ -487,9 +576,20 @@ def _output(out, query: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_args(kv_cache: torch.Tensor) -> tuple:
-    """Key and value caches (views, so their offsets fit the pointers) and their strides."""
+    """Key and value caches (views, so their offsets fit the pointers) and their strides;
+    a quantized cache as bytes (codes and scales, see :mod:`pyagent_triton.kv_quant`)."""
+    if kv_cache_format.is_quantized(kv_cache.dtype):
+        kv_cache = kv_cache.view(torch.uint8)
     keys, values = kv_cache[0], kv_cache[1]
     return (keys, values), (*keys.stride()[:4], *values.stride()[:4])
+
+
+def _scale_args(kv_cache: torch.Tensor, head_dim: int, block_d: int) -> tuple[int, int]:
+    """``(num_groups, SCALE_GROUP)`` of a quantized cache (:func:`kv_quant.scale_tile`);
+    unused placeholders for a float cache."""
+    if kv_cache_format.is_quantized(kv_cache.dtype):
+        return kv_quant.scale_tile(head_dim, block_d)
+    return 1, block_d
 
 
 def _row_major(table: torch.Tensor) -> torch.Tensor:
@@ -522,7 +622,8 @@ def paged_attention_decode(
     window = _window(sliding_window)
     softcap = _softcap(logit_softcap)
     out = _output(out, query)
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads = kv_cache.shape[:4]
+    head_dim = query.shape[2]  # a quantized cache's rows are wider (their scales)
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     if num_splits is None:
@@ -547,10 +648,12 @@ def paged_attention_decode(
     seq_lens = seq_lens.contiguous()
     block_tables = _row_major(block_tables)
     (keys, values), cache_strides = _cache_args(kv_cache)
+    num_groups, scale_group = _scale_args(kv_cache, head_dim, block_d)
 
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, keys, values, out, part_m, part_l, part_acc, seq_lens, block_tables,
-        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim, num_heads, num_splits,
+        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim, num_groups, num_heads,
+        num_splits,
         *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
@@ -560,6 +663,9 @@ def paged_attention_decode(
         SPLIT_K=split_k,
         DOT_PRECISION=_dot_precision(query.dtype),
         SOFTCAP=bool(softcap),
+        QUANT=kv_quant.quant_kind(kv_cache.dtype),
+        SCALE_GROUP=scale_group,
+        WIDEN=_widen(query),
     )  # fmt: skip
     if split_k:
         _combine_splits_kernel[(num_seqs, num_heads)](
@@ -612,7 +718,8 @@ def paged_attention_prefill(
     if num_seqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return out
 
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads = kv_cache.shape[:4]
+    head_dim = query.shape[2]  # a quantized cache's rows are wider (their scales)
     group = query.shape[1] // num_kv_heads
     block_d = _tile_d(head_dim)
     # Rows are (token, head-in-group) pairs: enough for the longest query, at most 64
@@ -624,11 +731,12 @@ def paged_attention_prefill(
     seq_lens = seq_lens.contiguous()
     block_tables = _row_major(block_tables)
     (keys, values), cache_strides = _cache_args(kv_cache)
+    num_groups, scale_group = _scale_args(kv_cache, head_dim, block_d)
 
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         query, keys, values, out, query_start_loc, seq_lens, block_tables,
-        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim,
+        float(scale) if softcap else float(scale) * _LOG2E, softcap, window, head_dim, num_groups,
         *query.stride(), *cache_strides, *out.stride(), block_tables.stride(0),
         GROUP=group,
         BLOCK_Q=block_q,
@@ -638,6 +746,9 @@ def paged_attention_prefill(
         BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(query.dtype),
         SOFTCAP=bool(softcap),
+        QUANT=kv_quant.quant_kind(kv_cache.dtype),
+        SCALE_GROUP=scale_group,
+        WIDEN=_widen(query),
     )  # fmt: skip
     return out
 
@@ -665,7 +776,12 @@ def paged_attention_prefill_reference(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """Plain-torch twin of :func:`paged_attention_prefill` (float32, one sequence at a time)."""
+    """Plain-torch twin of :func:`paged_attention_prefill` (float32, one sequence at a
+    time); a quantized cache is dequantized first (:func:`kv_cache_format.dequantize`,
+    ``head_dim`` the query's) to the query's dtype, as the kernels and the torch
+    backend read it."""
+    if kv_cache_format.is_quantized(kv_cache.dtype):
+        kv_cache = kv_cache_format.dequantize(kv_cache, query.shape[2], query.dtype)
     num_heads = query.shape[1]
     group = num_heads // kv_cache.shape[3]
     starts = query_start_loc.tolist()

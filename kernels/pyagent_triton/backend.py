@@ -13,6 +13,12 @@ on a GPU, or on the CPU in Triton's interpreter) and falls back, per op, to the
 inherited torch code elsewhere, with one warning per process. A batch with tokens
 whose keys are not written (slot ``-1``: the torch backend attends those from the new
 keys directly, the kernels read the cache) also takes the torch path.
+
+An int8 or fp8 cache (``--kv-cache-dtype``, :mod:`pyagent_framework.kv_cache_format`)
+goes through the same kernels: the write quantizes each row as ``kv_cache_format``
+does, bit for bit, and the attention kernels dequantize codes and scales as they load
+them; every token, a fresh prompt's included, attends keys and values as the cache
+holds them, as in the torch backend.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class TritonAttention(TorchAttention):
     the tests."""
 
     layer_ops = TritonLayerOps()
+    #: Quantized caches the kernels read and write (and the inherited torch path, where
+    #: they cannot run).
+    kv_cache_dtypes = ("int8", "fp8")
 
     def forward(
         self,

@@ -3,7 +3,10 @@
 - ``reshape_and_cache(key, value, kv_cache, slot_mapping)``: scatter each token's
   keys and values into the paged cache ``[2, num_blocks, block_size, kv_heads,
   head_dim]`` at flat slot ``block * block_size + offset``; a negative slot (-1)
-  skips the token. Values are cast to the cache dtype.
+  skips the token. Values are cast to the cache dtype; an int8 or fp8 (e4m3fn) cache
+  of rows ``[..., row_width(head_dim)]`` (codes, then a float16 scale per group) gets
+  each row quantized group by group, bit for bit as
+  :func:`pyagent_framework.kv_cache_format.quantize`.
 - ``rms_norm(x, weight, eps, residual=None)``: ``weight * (x / sqrt(mean(x**2) +
   eps))`` over the last dim, float32 math, in ``x.dtype`` (transformers' rounding:
   the normalised row is cast to ``x.dtype`` before the weight multiplies it). With
@@ -38,6 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pyagent_framework import kv_cache_format
+
+from pyagent_triton import kv_quant
 from pyagent_triton.runtime import next_pow2
 
 __all__ = [
@@ -141,6 +147,42 @@ def _reshape_and_cache_kernel(
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _reshape_and_cache_quant_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_stride_t, key_stride_h, value_stride_t, value_stride_h, slot_stride,
+    num_slots, num_heads, head_dim, num_groups,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SCALE_GROUP: tl.constexpr,
+    QMAX: tl.constexpr, TINY: tl.constexpr, SCALE_MAX: tl.constexpr, QUANT: tl.constexpr,
+):
+    """The quantized cache's write: one (token, head) row per tile row, held as
+    ``[BLOCK_H, groups, SCALE_GROUP]`` and quantized a group at a time in float32 (see
+    :mod:`pyagent_triton.kv_quant`); the caches are byte views."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token * slot_stride).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    groups = tl.arange(0, BLOCK_D // SCALE_GROUP)
+    cols = (groups[:, None] * SCALE_GROUP + tl.arange(0, SCALE_GROUP)[None, :])[None, :, :]  # [1, groups, GS]
+    head_mask = heads < num_heads
+    mask = head_mask[:, None, None] & (cols < head_dim)
+    scale_mask = head_mask[:, None] & (groups < num_groups)[None, :]
+
+    row = head_dim + 2 * num_groups  # bytes: the codes, then the float16 scales
+    rows = slot * num_heads * row + heads * row  # [BLOCK_H] byte offsets of the rows
+    codes_at = rows[:, None, None] + cols
+    scales_at = (rows + head_dim)[:, None] + 2 * groups[None, :]
+    k = tl.load(key_ptr + token * key_stride_t + heads[:, None, None] * key_stride_h + cols, mask=mask, other=0.0)
+    codes, scales = kv_quant.quantize_groups(k.to(tl.float32), QMAX, TINY, SCALE_MAX, QUANT)
+    tl.store(k_cache_ptr + codes_at, codes, mask=mask)
+    kv_quant.store_scales(k_cache_ptr + scales_at, scales, scale_mask)
+    v = tl.load(value_ptr + token * value_stride_t + heads[:, None, None] * value_stride_h + cols, mask=mask, other=0.0)
+    codes, scales = kv_quant.quantize_groups(v.to(tl.float32), QMAX, TINY, SCALE_MAX, QUANT)
+    tl.store(v_cache_ptr + codes_at, codes, mask=mask)
+    kv_quant.store_scales(v_cache_ptr + scales_at, scales, scale_mask)
+
+
 def _check_reshape_and_cache(key, value, kv_cache, slot_mapping) -> None:
     _check_float("key", key, 3)
     _check_float("value", value, 3)
@@ -149,13 +191,17 @@ def _check_reshape_and_cache(key, value, kv_cache, slot_mapping) -> None:
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         shape = tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
         raise ValueError(f"kv_cache: expected [2, num_blocks, block_size, num_kv_heads, head_dim], got {shape}")
-    if not kv_cache.is_floating_point():
-        raise ValueError(f"kv_cache: dtype {kv_cache.dtype} is not a floating-point type")
+    quantized = kv_cache_format.is_quantized(kv_cache.dtype)
+    if not quantized and not kv_cache.is_floating_point():
+        raise ValueError(f"kv_cache: dtype {kv_cache.dtype} is not a floating-point type, int8 or float8_e4m3fn")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache: must be contiguous")
-    if kv_cache.shape[3:] != key.shape[1:]:
+    row = (key.shape[1], kv_cache_format.row_width(key.shape[2], kv_cache.dtype))
+    if tuple(kv_cache.shape[3:]) != row:
+        what = "head_dim codes + float16 scales" if quantized else "head_dim"
         raise ValueError(
-            f"kv_cache: [num_kv_heads, head_dim] {tuple(kv_cache.shape[3:])} differs from key's {tuple(key.shape[1:])}"
+            f"kv_cache: [num_kv_heads, {what}] {tuple(kv_cache.shape[3:])} should be {row} for key's "
+            f"{tuple(key.shape[1:])}"
         )
     _check_index("slot_mapping", slot_mapping, key.shape[0])
     _check_device(key.device, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
@@ -172,6 +218,18 @@ def reshape_and_cache(
         return
     block_h, block_d = _head_tile(heads, head_dim)
     grid = (tokens, triton.cdiv(heads, block_h))
+    if kv_cache_format.is_quantized(kv_cache.dtype):
+        cache = kv_cache.view(torch.uint8)
+        num_groups, scale_group = kv_quant.scale_tile(head_dim, block_d)
+        _reshape_and_cache_quant_kernel[grid](
+            key, value, cache[0], cache[1], slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping.stride(0),
+            kv_cache.shape[1] * kv_cache.shape[2], heads, head_dim, num_groups,
+            BLOCK_H=block_h, BLOCK_D=block_d, SCALE_GROUP=scale_group, QMAX=kv_cache_format.QMAX[kv_cache.dtype],
+            TINY=kv_cache_format.TINY, SCALE_MAX=kv_cache_format.SCALE_MAX, QUANT=kv_quant.quant_kind(kv_cache.dtype),
+            num_warps=_num_warps(block_h * block_d),
+        )  # fmt: skip
+        return
     _reshape_and_cache_kernel[grid](
         key, value, kv_cache[0], kv_cache[1], slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), slot_mapping.stride(0),
@@ -187,6 +245,12 @@ def reshape_and_cache_reference(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     heads, head_dim = key.shape[1:]
+    if kv_cache_format.is_quantized(kv_cache.dtype):
+        # Rows by kv_cache_format.quantize, moved as bytes (CPU torch cannot index float8).
+        flat = kv_cache.view(torch.uint8).view(2, -1, heads, kv_cache_format.row_width(head_dim, kv_cache.dtype))
+        flat[0, slots] = kv_cache_format.quantize(key[keep], kv_cache.dtype).view(torch.uint8)
+        flat[1, slots] = kv_cache_format.quantize(value[keep], kv_cache.dtype).view(torch.uint8)
+        return
     flat = kv_cache.view(2, -1, heads, head_dim)  # [2, num_blocks * block_size, heads, head_dim]
     flat[0, slots] = key[keep].to(kv_cache.dtype)
     flat[1, slots] = value[keep].to(kv_cache.dtype)
