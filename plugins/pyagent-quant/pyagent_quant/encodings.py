@@ -87,7 +87,7 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
         return gguf_blocks.DECODERS[encoding](data)
     if encoding == "I8":
         # A fresh [rows, 4] copy: a view of a narrow slice cannot be reinterpreted.
-        scale = torch.empty(rows, 4, dtype=torch.uint8).copy_(data[:, :4]).view(torch.float32)
+        scale = torch.empty(rows, 4, dtype=torch.uint8, device=data.device).copy_(data[:, :4]).view(torch.float32)
         return scale * data[:, 4:].view(torch.int8).float()
     if encoding == "I4" or encoding == "Q4_1":
         group = group or 32
@@ -110,7 +110,7 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     ql = blocks[..., :128].reshape(rows, n, 2, 64)
     qh = blocks[..., 128:192].reshape(rows, n, 2, 1, 32)
     low = torch.cat([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-1)
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).view(4, 1)) & 3
     q = (low | (high.reshape(rows, n, 2, 128) << 4)).to(torch.int8) - 32
     scales = blocks[..., 192:208].view(torch.int8).float()
     d = (_f16(blocks, 208) * scales).reshape(rows, n, 16, 1)

@@ -42,7 +42,7 @@ def nibbles(qs: torch.Tensor) -> torch.Tensor:
 def _bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """Fields of ``width`` bits of every byte, low first: ``[..., bytes]`` becomes
     ``[..., count, bytes]`` (field ``j`` of byte ``i`` at ``[..., j, i]``)."""
-    shifts = torch.arange(0, width * count, width, dtype=torch.uint8).view(count, 1)
+    shifts = torch.arange(0, width * count, width, dtype=torch.uint8, device=data.device).view(count, 1)
     return (data.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 
 
@@ -83,7 +83,7 @@ def decode_q5_1(data: torch.Tensor) -> torch.Tensor:
 def decode_iq4_nl(data: torch.Tensor) -> torch.Tensor:
     """IQ4_NL: f16 d, u8 qs[16]; ``d * IQ4_NL_VALUES[code]``, codes as Q4_0's."""
     blocks = _blocks(data, "IQ4_NL")
-    table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=data.device)
     q = table[nibbles(blocks[..., 2:]).long()]
     return _rows(f16(blocks, 0) * q, data, "IQ4_NL")
 

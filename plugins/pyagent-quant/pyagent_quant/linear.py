@@ -13,9 +13,19 @@ A weight with a column order (``PackedWeight.perm``, GPTQ act-order) takes
 ``x[..., perm]``; one with ``offsets`` (zero points the encoding cannot hold exactly)
 adds ``offsets`` times the sums of x over each run of columns. Neither is known to the
 native core's fused decoder, so such a layer offers it no operand.
+
+On a GPU, :class:`PackedLinear` computes with pyagent-triton's fused dequantize-GEMV/GEMM
+(``pyagent_triton.quant_gemm.packed_linear``, an optional import made on the first
+GPU input) for every encoding it has a kernel for, column order and offsets applied
+around it; the packed bytes move to the device as they are (``uint8``), and the
+module's packed weight follows its buffer there. Without pyagent-triton (or for an
+encoding without a kernel) the torch decoders dequantize slices on the device.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +45,39 @@ ACTIVATIONS = ("float32", "int8", "int16")
 # Prefill dequantizes this many weight rows at a time (a slice stays in cache).
 _SLICE = 1024
 
+# The device types whose inputs go to the Triton kernels (the tests add "cpu" to run
+# them in Triton's interpreter).
+_KERNEL_DEVICES = ("cuda",)
+
 
 def native_available() -> bool:
     return _core is not None and hasattr(_core, "quantized_linear")
+
+
+@functools.cache
+def triton_gemm():
+    """``pyagent_triton.quant_gemm`` where pyagent-triton is installed and imports (it
+    imports triton), else None."""
+    try:
+        from pyagent_triton import quant_gemm
+    except Exception:  # ImportError, or a broken triton install  # pragma: no cover
+        return None
+    return quant_gemm
+
+
+def triton_encodings() -> frozenset[str]:
+    """The encodings the Triton kernels compute (none without pyagent-triton)."""
+    gemm = triton_gemm()
+    return frozenset(gemm.encodings()) if gemm is not None else frozenset()
+
+
+def _follow_buffer(packed: PackedWeight, data: torch.Tensor) -> PackedWeight:
+    """``packed`` with its bytes replaced by ``data`` (the module's buffer after ``.to()``)."""
+    if packed.data is data:
+        return packed
+    perm = None if packed.perm is None else packed.perm.to(data.device)
+    offsets = None if packed.offsets is None else packed.offsets.to(data.device)
+    return dataclasses.replace(packed, data=data, perm=perm, offsets=offsets)
 
 
 class PackedLinear(torch.nn.Module):
@@ -101,6 +141,16 @@ class PackedLinear(torch.nn.Module):
             self._data_array = packed.data.numpy()
             self._bias_array = None if self.bias is None else self.bias.detach().numpy()
 
+    def _apply(self, fn, recurse=True):
+        # .to(device) moves the buffers; the packed weight follows, so no copy stays behind.
+        super()._apply(fn, recurse)
+        self.packed = _follow_buffer(self.packed, self.data)
+        if self.native:  # the core reads CPU bytes only; elsewhere the arrays would pin a CPU copy
+            on_cpu = self.data.device.type == "cpu"
+            self._data_array = self.data.numpy() if on_cpu else None
+            self._bias_array = None if self.bias is None or not on_cpu else self.bias.detach().float().numpy()
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, encoding={self.packed.encoding}, "
@@ -113,7 +163,7 @@ class PackedLinear(torch.nn.Module):
     def native_operand(self) -> dict | None:
         """How the native core's fused decoder reads this layer, or None without the
         core or for a weight with a column order or offsets (which it does not apply)."""
-        if not self.native or self.perm is not None or self.offsets is not None:
+        if not self.native or self.perm is not None or self.offsets is not None or self._data_array is None:
             return None
         return {
             "data": self._data_array,
@@ -136,7 +186,7 @@ class PackedLinear(torch.nn.Module):
         """Float32 rows ``start:stop`` as stored: columns in stored order, offsets added."""
         stop = self.out_features if stop is None else stop
         part = self.packed.rows(start, stop)
-        if not self.native:
+        if not self.native or part.data.device.type != "cpu":
             out = encodings.dequantize(part)
         else:
             out = torch.empty(part.shape, dtype=torch.float32)
@@ -145,7 +195,33 @@ class PackedLinear(torch.nn.Module):
             out += self.offsets[start:stop].repeat_interleave(self.in_features // self.offsets.shape[1], dim=1)
         return out
 
+    def _triton(self, x: torch.Tensor):
+        """The Triton kernels' module when they compute ``x``, else None."""
+        if x.device.type not in _KERNEL_DEVICES or x.requires_grad:
+            return None
+        gemm = triton_gemm()
+        if gemm is None or not gemm.supports(self.packed.encoding) or not gemm.usable(x):
+            return None
+        return gemm
+
+    def _forward_triton(self, gemm, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        flat = x.reshape(rows, self.in_features)
+        if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            flat = flat.float()
+        if self.perm is not None:
+            flat = flat.index_select(1, self.perm)
+        out = gemm.packed_linear(flat, self.data, self.packed.encoding, self.bias)
+        if self.offsets is not None:
+            # Each offset multiplies the sum of x over its run of stored columns.
+            sums = flat.float().reshape(rows, self.offsets.shape[1], -1).sum(dim=-1)
+            out = (out.float() + sums @ self.offsets.T).to(out.dtype)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemm = self._triton(x)
+        if gemm is not None:
+            return self._forward_triton(gemm, x)
         if x.dtype != torch.float32:
             return self.forward(x.float()).to(x.dtype)
         rows = x.numel() // self.in_features if self.in_features else 0
@@ -153,7 +229,7 @@ class PackedLinear(torch.nn.Module):
         if self.perm is not None:
             flat = flat.index_select(1, self.perm.to(flat.device))
         small = 0 < rows <= self.max_rows or (rows > 0 and self._any_rows)
-        if self.native and small and x.device.type == "cpu" and not x.requires_grad:
+        if self.native and small and x.device.type == "cpu" and not x.requires_grad and self._data_array is not None:
             flat = flat.contiguous()
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
             _core.quantized_linear(
@@ -235,6 +311,11 @@ class PackedEmbedding(torch.nn.Module):
         self.packed = packed
         self.num_embeddings, self.embedding_dim = packed.shape
         self.register_buffer("data", packed.data, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.packed = _follow_buffer(self.packed, self.data)
+        return self
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, encoding={self.packed.encoding}"

@@ -16,12 +16,12 @@ def pyagent_register_quantizers(register):
     register(
         "int8",
         "pyagent_quant.quantizers:Int8Quantizer",
-        description="weight-only int8, symmetric per output channel (CPU; native fused GEMV/GEMM)",
+        description="weight-only int8, symmetric per output channel (CPU: native fused GEMV/GEMM; GPU: Triton)",
     )
     register(
         "int4",
         "pyagent_quant.quantizers:Int4Quantizer",
-        description="weight-only int4, asymmetric per group of 32/64/128 columns (option group_size; CPU)",
+        description="weight-only int4, asymmetric per group of 32/64/128 columns (option group_size; CPU and GPU)",
     )
     register(
         "gguf",

@@ -10,6 +10,7 @@ matrix shrinks too.
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 
 import torch
@@ -32,11 +33,18 @@ def _float_weight(weight, quantizer: str) -> torch.Tensor:
     return weight
 
 
+# Every encoding the packing quantizers below compute (I8, I4_G32/64/128 and the GGUF
+# types they read) has a Triton kernel in pyagent-triton (``quant_gemm``; the kernels'
+# tests check that the lists agree), so on a GPU they compute from the packed bytes.
+# Without pyagent-triton a GPU input takes the torch decoders, a slice of rows at a time.
+_PACKED_DEVICES = ("cpu", "cuda")
+
+
 class _PackingQuantizer(Quantizer):
     """Quantizes float weights into a packed encoding and computes with PackedLinear."""
 
     name = ""
-    supported_devices = ("cpu",)
+    supported_devices = _PACKED_DEVICES
 
     @abstractmethod
     def pack(self, weight) -> PackedWeight:
@@ -114,7 +122,7 @@ class GGUFQuantizer(Quantizer):
       rows in the VNNI GEMM (2-3.5x the float GEMM at 32-64 rows)."""
 
     name = "gguf"
-    supported_devices = ("cpu",)
+    supported_devices = _PACKED_DEVICES
     packed_encodings = encodings.GGUF_ENCODINGS
     needs_packed = True
 
@@ -167,22 +175,68 @@ class PrequantizedQuantizer(GGUFQuantizer):
         super().__init__(activations="float32")
 
 
+_FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+@functools.cache
+def _scaled_mm_device(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies float8 on ``device`` (CUDA, compute
+    capability 8.9 or newer: Ada, Hopper and later)."""
+    return (
+        device.type == "cuda"
+        and hasattr(torch, "_scaled_mm")
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
+
+
 class FP8Linear(torch.nn.Module):
     """``x @ (scale * W8).T + bias`` with ``W8`` in float8 e4m3 and one float32 scale
-    per output channel; the weight is widened a slice at a time for the product."""
+    per output channel; the weight is widened a slice at a time for the product.
+
+    On a CUDA device of compute capability 8.9 or newer (and ``in``/``out`` features
+    multiples of 16, as the float8 GEMM requires) the product runs on the float8 tensor
+    cores instead (``torch._scaled_mm``): x is rounded to e4m3 with one scale per row
+    (its largest magnitude maps to 448), the GEMM applies both row scales and writes
+    bfloat16, and the bias is added in float32. Rounding x costs about e4m3's 2^-4
+    relative step per element on top of the weight's; a device or configuration the
+    GEMM refuses falls back to the widened product for good."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         w = weight.detach().float()
         # e4m3's largest finite value is 448: each row's largest magnitude maps to it.
-        scale = w.abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+        scale = w.abs().amax(dim=1, keepdim=True) / _FP8_MAX
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         self.register_buffer("weight", (w / scale).to(torch.float8_e4m3fn))
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.out_features, self.in_features = w.shape
+        self.scaled_mm = self.in_features % 16 == 0 and self.out_features % 16 == 0
+
+    def _forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The float8 GEMM's result, or None where it cannot run (then never again)."""
+        flat = x.reshape(-1, self.in_features).float()
+        if flat.shape[0] == 0:
+            return None
+        x_scale = (flat.abs().amax(dim=1, keepdim=True) / _FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+        x8 = (flat / x_scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+        try:
+            out = torch._scaled_mm(
+                x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1), out_dtype=torch.bfloat16
+            )
+        except (RuntimeError, TypeError):  # this torch or device refuses row-wise float8 scales
+            self.scaled_mm = False
+            return None
+        out = out.float()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm and x.device.type == "cuda" and not x.requires_grad and _scaled_mm_device(x.device):
+            out = self._forward_scaled_mm(x)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.float()
         parts = []
@@ -198,7 +252,9 @@ class FP8Linear(torch.nn.Module):
 class FP8Quantizer(Quantizer):
     """Weight-only float8 (e4m3) with a per-output-channel scale, where torch has the
     dtype (torch >= 2.1). Memory is one byte per weight; the product widens the weight
-    to float32 slice by slice, so on CPU it is slower than float32."""
+    to float32 slice by slice, so on CPU it is slower than float32. On CUDA devices of
+    compute capability 8.9 or newer it runs on the float8 tensor cores, with x rounded
+    to e4m3 per row (see :class:`FP8Linear`)."""
 
     supported_devices = ("cpu", "cuda")
 
