@@ -447,10 +447,10 @@ class AttentionPlan:
     def __init__(self, metadata: AttentionMetadata, device: torch.device) -> None:
         self.device = device
         slots = metadata.slot_mapping.to(device=device, dtype=torch.long)
-        keep = slots >= 0
-        if bool(keep.all()):
+        if metadata.all_slots_written or bool((slots >= 0).all()):  # the hint spares a host sync
             self.slots, self.keep = slots, None
         else:
+            keep = slots >= 0
             self.slots, self.keep = slots[keep], keep
         self.prefills: list[tuple[int, int, int, int]] = []  # (seq, start, end, seq_len)
         self.decode: DecodeBatch | None = None

@@ -33,6 +33,10 @@ class AttentionMetadata:
     - ``block_tables``: ``[num_seqs, max_blocks]`` block ids of each sequence, padded
       with ``-1``.
 
+    - ``all_slots_written``: the caller knows no slot is ``-1``, so a backend need not
+      ask the device (a CUDA graph capture forbids that host sync); ``max_seq_len`` may
+      then be an upper bound (the capture's), never less than any ``seq_lens``.
+
     One object describes one forward pass and is not modified afterwards, so a backend
     may cache what it derives from it (on the object) for the other layers.
     """
@@ -44,6 +48,7 @@ class AttentionMetadata:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    all_slots_written: bool = False
 
 
 @dataclass

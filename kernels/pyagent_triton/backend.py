@@ -84,6 +84,9 @@ class TritonAttention(TorchAttention):
     #: Quantized caches the kernels read and write (and the inherited torch path, where
     #: they cannot run).
     kv_cache_dtypes = ("int8", "fp8")
+    #: The decode kernel reads each sequence's length on the device and the plan needs no
+    #: host sync with ``all_slots_written``: decode steps may replay from CUDA graphs.
+    cuda_graphs = True
 
     def forward(
         self,

@@ -99,6 +99,7 @@ class EngineConfig:
     dtype: str = attrs.field(default="float32", metadata={"help": "compute dtype: float32, bfloat16, float16"})
     kv_cache_memory: str | None = attrs.field(default="auto", metadata={"help": "KV cache memory budget, e.g. 2GiB; auto (default): on a GPU what gpu_memory_utilization leaves after the weights and a profiling forward, on a CPU a quarter of the available RAM, at most 4GiB"})
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=lambda _, a, v: _fraction(a, v), metadata={"help": "with kv_cache_memory auto on a GPU: the share of the device's memory this engine may use in all (weights, activations, KV cache)"})
+    enforce_eager: bool = attrs.field(default=False, metadata={"help": "on a GPU, run every decode step eagerly: no CUDA graphs (by default pure-decode steps replay from a graph per batch-size bucket)"})
     kv_cache_dtype: str = attrs.field(default="auto", validator=lambda _, a, v: _one_of(a, v, ("auto", "int8", "fp8", "fp8_e4m3")), metadata={"help": "what the KV cache stores: auto (the model's dtype), int8 or fp8 (e4m3; fp8_e4m3 is the same): one byte per number plus a float32 scale per token and head, about 1/4 of float32's bytes and 1/2 of bfloat16's"})
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive, metadata={"help": "KV cache size in blocks (overrides --kv-cache-memory)"})
     block_size: int = attrs.field(default=16, validator=_positive, metadata={"help": "tokens per KV block"})

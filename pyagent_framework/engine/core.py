@@ -22,6 +22,7 @@ import torch
 from pyagent_framework import parallel, registries
 from pyagent_framework.engine import kv_sizing, loader, setup
 from pyagent_framework.engine.config import EngineConfig
+from pyagent_framework.engine.cuda_graphs import DecodeGraphs
 from pyagent_framework.engine.errors import TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
 from pyagent_framework.engine.faults import ModelForwardError
 from pyagent_framework.engine.grammar_gate import GrammarGate
@@ -135,6 +136,12 @@ class EngineCore:
             )
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, self.workers,
                                   lora=self.lora.state if self.lora is not None else None)
+        if (self.device.type == "cuda" and not config.enforce_eager and getattr(backend_cls, "cuda_graphs", False)
+                and self.lora is None and tp_size == 1):
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.block_size, self.device, max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len, pad_block=self.pool.reserve(),
+            )
         self.step_sampler = StepSampler(Sampler(eos_token_ids=self.eos_token_ids, seed=config.seed), self.grammar, self.speculator)
         self.updater = RequestUpdater(self)
         self.requests: dict[str, Sequence] = {}

@@ -142,6 +142,13 @@ class BlockPool:
         seq.block_ids.extend(self._take() for _ in range(needed))
         return True
 
+    def reserve(self) -> int:
+        """A free block taken out of circulation for good (never handed to a sequence,
+        cached or evicted): where the CUDA graphs' padding rows write."""
+        if not self._free:
+            raise ValueError("no free block to reserve")
+        return self._take()
+
     def _take(self) -> int:
         if self._free:
             block = self._free.popleft()

@@ -81,6 +81,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device or "cpu")
         self.workers = workers
+        self.graphs = None  # DecodeGraphs (engine/cuda_graphs.py) where decode steps replay from CUDA graphs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -142,6 +143,10 @@ class ModelRunner:
         )
         if self.workers is not None:
             self.workers.send_step(inputs)
+        elif self.graphs is not None and not spec_spans and not prompt_spans and self.graphs.takes(inputs, len(sample_rows)):
+            replayed = self.graphs.run(inputs)
+            if replayed is not None:
+                return StepLogits(sample_seqs, replayed, {}, {})
         logits = iter(run_step(self.model, self.kv_caches, self.block_size, inputs, self.device))
         sample_logits = next(logits) if sample_rows else None
         prompt_rows = {seq_id: (first, next(logits)) for seq_id, (_, first, _) in prompt_spans.items()}

@@ -44,6 +44,12 @@ class AttentionBackend(ABC):
     :mod:`pyagent_framework.kv_cache_format` defines). Without it the engine serves the
     backend only a float cache of the model's dtype.
 
+    Optional: a class attribute ``cuda_graphs = True``: the backend's pure-decode path
+    asks the device nothing on the host when ``metadata.all_slots_written`` is set, and
+    reads as many keys as each sequence's length on the device says (``max_seq_len``
+    is then only an upper bound), so the engine may replay its decode steps from CUDA
+    graphs (:mod:`pyagent_framework.engine.cuda_graphs`).
+
     Optional: a class attribute ``layer_ops``, a :class:`LayerOps` whose methods the
     models use for the norms, rotary embedding and gated MLP around attention, and the
     engine for grammar masks (fused kernels for the device the backend runs on).
