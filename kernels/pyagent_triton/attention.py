@@ -42,7 +42,9 @@ masked.
     sequence with ``q_len`` new tokens sits at position ``seq_len - q_len + i`` and
     attends causally to the cached context and the new tokens before it (all read
     from the cache, where they were written before the call); keys outside every
-    row's window are skipped. Programs past their sequence's query length return at
+    row's window are skipped. As in FlashAttention-2, only the tiles a row's causal
+    or window bound cuts are masked per row: the keys every row of the program sees
+    (at or before its first row, inside its last row's window) run unmasked. Programs past their sequence's query length return at
     once.
 
 Both also read an int8 or fp8 (e4m3fn) cache, ``[2, num_blocks, block_size,
@@ -159,9 +161,14 @@ def _attend_keys(
     QUANT: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
     WIDEN: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """Online softmax of ``q`` over the keys at positions ``lo <= k < hi`` (causal and
-    windowed per row); returns the updated ``(acc, m_i, l_i)``.
+    windowed per row); returns the updated ``(acc, m_i, l_i)``. ``MASKED=False`` when
+    the caller knows every key of the range is visible to every row (the tiles below a
+    prefill's diagonal and inside its window, every key of a decode): then only the
+    range's end is masked, not each row's position (FlashAttention-2's split of the
+    causal loop).
 
     With a quantized cache (``QUANT``; the caches are byte views) keys and values are
     dequantized in float32 (each code times its group's scale, spread over the tile's
@@ -198,9 +205,12 @@ def _attend_keys(
             tanh = 1.0 - 2.0 / (tl.exp2(scores * (2.0 * 1.4426950408889634 / softcap)) + 1.0)
             scores = tanh * (softcap * 1.4426950408889634)
 
-        visible = (
-            k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-        )
+        if MASKED:
+            visible = (
+                k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+            )
+        else:
+            visible = k_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
@@ -303,7 +313,7 @@ def _decode_kernel(
         stride_kb, stride_kt, stride_kh, stride_kd,
         stride_vb, stride_vt, stride_vh, stride_vd,
         offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
-        SCALE_GROUP, WIDEN,
+        SCALE_GROUP, WIDEN, False,  # the one query sees every key of [lo, hi): its window starts at first_visible
     )  # fmt: skip
 
     if SPLIT_K:
@@ -434,19 +444,35 @@ def _prefill_kernel(
     q_pos = context + token
 
     # Keys seen by any row: from the first row's window start to the last row itself.
+    last = context + tl.minimum(first + BLOCK_Q, q_len) - 1  # the last row's position
     lo = tl.maximum(context + first - window + 1, 0)
-    hi = context + tl.minimum(first + BLOCK_Q, q_len)
+    hi = last + 1
+    # Keys every row sees (at or before the first row, inside the last row's window)
+    # need no per-row mask: [lo, a) masked, [a, b) not, [b, hi) masked again.
+    a = tl.minimum(tl.maximum(lo, last - window + 1), hi)
+    b = tl.maximum(a, tl.minimum(context + first + 1, hi))
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_row = block_tables + seq * stride_table
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, lo, hi, window, qk_scale, softcap,
-        k_cache, v_cache, block_tables + seq * stride_table, kv_head,
-        stride_kb, stride_kt, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vh, stride_vd,
+        acc, m_i, l_i, q, q_pos, lo, a, window, qk_scale, softcap, k_cache, v_cache, table_row, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
         offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
-        SCALE_GROUP, WIDEN,
+        SCALE_GROUP, WIDEN, True,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, a, b, window, qk_scale, softcap, k_cache, v_cache, table_row, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+        offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
+        SCALE_GROUP, WIDEN, False,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, b, hi, window, qk_scale, softcap, k_cache, v_cache, table_row, kv_head,
+        stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+        offs_d, d_mask, head_dim, num_groups, BLOCK_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP, QUANT,
+        SCALE_GROUP, WIDEN, True,
     )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

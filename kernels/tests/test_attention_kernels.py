@@ -261,6 +261,14 @@ def test_prefill_long_query_spans_several_row_tiles():
     run_prefill(4, 2, 24, 16, [100, 70], [70, 70], window=None)
 
 
+@pytest.mark.parametrize("window", [None, 9, 40, 200])
+def test_prefill_tiles_below_the_diagonal_and_inside_the_window_skip_the_mask(window):
+    # Long prompts over long contexts: each program's keys split into a masked start
+    # (outside some row's window), an unmasked middle (seen by every row) and a masked
+    # end (the diagonal); windows that cut the middle short, empty it, or never bind.
+    run_prefill(4, 2, 24, 5, [150, 90, 61], [70, 90, 1], window=window)
+
+
 def test_prefill_accepts_a_loose_max_query_len():
     run_prefill(2, 1, 24, 3, [9, 12], [4, 12], max_query_len=40)
 
