@@ -136,8 +136,9 @@ class EngineCore:
             )
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, self.workers,
                                   lora=self.lora.state if self.lora is not None else None)
+        # Graphs reserve one block for their padding rows: only where a longest sequence still fits without it.
         if (self.device.type == "cuda" and not config.enforce_eager and getattr(backend_cls, "cuda_graphs", False)
-                and self.lora is None and tp_size == 1):
+                and self.lora is None and tp_size == 1 and (num_blocks - 1) * config.block_size >= self.max_model_len):
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_caches, config.block_size, self.device, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len, pad_block=self.pool.reserve(),
