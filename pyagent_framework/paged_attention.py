@@ -162,9 +162,10 @@ class TorchAttention(AttentionBackend):
             # Every token attends keys/values as the cache holds them, a fresh prompt's own
             # included, so a prompt computes the same with or without a cached prefix.
             codes = (kv_format.quantize(key, kv_cache.dtype), kv_format.quantize(value, kv_cache.dtype))
-            key, value = (kv_format.dequantize(rows, self.head_size, query.dtype) for rows in codes)
             if kv_cache.numel():
                 self._write(kv_cache, *codes, plan)
+            if not plan.pure_decode:  # a pure decode reads its new rows back from the cache
+                key, value = (kv_format.dequantize(rows, self.head_size, query.dtype) for rows in codes)
         elif kv_cache.numel():
             self._write(kv_cache, key, value, plan)
         if num_tokens == 0:

@@ -66,12 +66,12 @@ class DecodeGraphs:
         self.pad_slot = pad_block * block_size
         self.pad_block = pad_block
         size = self.buckets[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=self.device)
-        self.slots = torch.full((size,), self.pad_slot, dtype=torch.long, device=self.device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=self.device)
-        self.block_tables = torch.full((size, self.max_blocks), -1, dtype=torch.int32, device=self.device)
-        self.block_tables[:, 0] = pad_block
+        self.input_ids = torch.empty(size, dtype=torch.long, device=self.device)
+        self.positions = torch.empty(size, dtype=torch.long, device=self.device)
+        self.slots = torch.empty(size, dtype=torch.long, device=self.device)
+        self.seq_lens = torch.empty(size, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.empty((size, self.max_blocks), dtype=torch.int32, device=self.device)
+        self._pad(0, size)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self.checked: set[int] = set()
@@ -132,13 +132,7 @@ class DecodeGraphs:
         tables = torch.full((rows, self.max_blocks), -1, dtype=torch.int32)
         tables[:, :width] = inputs.block_tables
         self.block_tables[:rows].copy_(tables, non_blocking=True)
-        if size > rows:
-            self.input_ids[rows:size] = 0
-            self.positions[rows:size] = 0
-            self.slots[rows:size] = self.pad_slot
-            self.seq_lens[rows:size] = 1
-            self.block_tables[rows:size] = -1
-            self.block_tables[rows:size, 0] = self.pad_block
+        self._pad(rows, size)
 
     def _forward(self, size: int) -> torch.Tensor:
         metadata = AttentionMetadata(
@@ -159,7 +153,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int):
         """The graph of bucket ``size`` and its output buffer, or None (graphs off)."""
-        self._load_padding(size)
+        self._pad(0, size)
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -178,13 +172,17 @@ class DecodeGraphs:
         logger.info("CUDA graph captured for decode batches of up to %d sequences", size)
         return self.graphs[size]
 
-    def _load_padding(self, size: int) -> None:
-        self.input_ids[:size] = 0
-        self.positions[:size] = 0
-        self.slots[:size] = self.pad_slot
-        self.seq_lens[:size] = 1
-        self.block_tables[:size] = -1
-        self.block_tables[:size, 0] = self.pad_block
+    def _pad(self, start: int, end: int) -> None:
+        """Rows ``start:end`` of the buffers as pad rows: one token that writes and reads
+        the pad block."""
+        if end <= start:
+            return
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slots[start:end] = self.pad_slot
+        self.seq_lens[start:end] = 1
+        self.block_tables[start:end] = -1
+        self.block_tables[start:end, 0] = self.pad_block
 
     def _disable(self, why: str) -> None:
         self.disabled = why
