@@ -6,6 +6,7 @@ It registers:
 - grammar backend ``faulty``: xgrammar's compiler, with matchers that raise in
   ``accept_tokens`` (requests choose it with ``structured_outputs.backend``);
 - tool parser ``faulty``: raises while reading a streamed or whole output;
+- eviction policy ``faulty``: LRU until it must pick a victim, then ``evict`` raises;
 - attention backend ``faulty``: the torch reference backend, whose ``forward`` raises
   (``FAULTY_FORWARD=raise``) or hangs (``FAULTY_FORWARD=hang``) once the file named by
   the environment variable ``FAULTY_TRIGGER`` exists.
@@ -40,6 +41,11 @@ def pyagent_register_tool_parsers(register):
 
 
 @hookimpl
+def pyagent_register_eviction_policies(register):
+    register("faulty", "pyagent_faulty_test.entries:FaultyEvictionPolicy", description="raises in evict")
+
+
+@hookimpl
 def pyagent_register_attention_backends(register):
     register("faulty", "pyagent_faulty_test.entries:FaultyAttention", description="torch attention that fails on a trigger")
 '''
@@ -48,6 +54,7 @@ ENTRIES = '''
 from pyagent_xgrammar.backend import XGrammarBackend, XGrammarMatcher
 from pyagent_parsers.tools.hermes import HermesToolParser
 from pyagent_framework.builtins.torch_attention import TorchAttention
+from pyagent_framework.builtins.lru import LRUPolicy
 import os
 import time
 
@@ -68,6 +75,11 @@ class FaultyToolParser(HermesToolParser):
 
     def extract_streaming(self, *args, **kwargs):
         raise ValueError("faulty tool parser: extract_streaming always fails")
+
+
+class FaultyEvictionPolicy(LRUPolicy):
+    def evict(self):
+        raise RuntimeError("faulty eviction policy: evict always fails")
 
 
 class FaultyAttention(TorchAttention):

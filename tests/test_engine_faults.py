@@ -59,7 +59,7 @@ def test_a_matcher_that_raises_fails_its_request_and_the_batch_goes_on(llm, alon
     assert [outs[0].outputs[0].text, outs[2].outputs[0].text] == [alone[0], alone[2]]
     failed = outs[1]
     assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error_kind == "internal"
-    assert "grammar backend 'raising-test'" in failed.error and "fill_bitmask" in failed.error and "no mask today" in failed.error
+    assert "grammar_backend 'raising-test'" in failed.error and "fill_bitmask" in failed.error and "no mask today" in failed.error
     stats = llm.engine.stats()  # the core's pool: num_kv_blocks is pool.num_blocks
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert stats["num_request_errors"] >= 1

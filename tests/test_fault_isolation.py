@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import json
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -136,7 +137,7 @@ def test_a_grammar_matcher_that_raises_fails_only_its_request(server):
         else:
             error = response.json()["error"]
             assert response.status_code == 500 and error["type"] == "server_error", error
-            assert "grammar backend 'faulty'" in error["message"] and "accept_tokens" in error["message"]
+            assert "grammar_backend 'faulty'" in error["message"] and "accept_tokens" in error["message"]
             assert "pyagent-faulty-test" in error["message"]  # the distribution that registered it
     # Streamed: an error event, then [DONE].
     data = events(server, "/v1/chat/completions", faulty)
@@ -157,10 +158,52 @@ def test_a_tool_parser_that_raises_ends_the_stream_with_an_error_then_done(serve
     data = events(server, "/v1/chat/completions", body)
     assert data[-1] == "[DONE]"
     error = json.loads(data[-2])["error"]
-    assert "tool parser 'faulty'" in error["message"] and "extract_streaming" in error["message"]
+    assert "tool_parser 'faulty'" in error["message"] and "extract_streaming" in error["message"]
     status, answer = server.post_json("/v1/chat/completions", body)
-    assert status == 500 and "tool parser 'faulty'" in answer["error"]["message"]
+    assert status == 500 and "tool_parser 'faulty'" in answer["error"]["message"]
     still_serves(server)
+
+
+def test_a_tool_parser_failure_names_kind_entry_distribution_and_method(server):
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, "max_tokens": 16, "temperature": 0}
+    status, answer = server.post_json("/v1/chat/completions", body)
+    assert status == 500
+    assert answer["error"]["message"] == (
+        "tool_parser 'faulty' (pyagent-faulty-test 0.0.1) raised in extract(): "
+        "ValueError: faulty tool parser: extract always fails"
+    )
+
+
+def test_an_eviction_policy_that_raises_is_replaced_by_lru_and_the_server_goes_on(plugin_path, tmp_path_factory):
+    """The policy serves the whole engine: its failure is logged once, by name, the
+    built-in 'lru' takes over (as /metrics says), and every request is answered."""
+    path = tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny"))
+    flags = ("--model", path, "--max-model-len", "128", "--num-kv-blocks", "24", "--block-size", "16",
+             "--eviction-policy", "faulty", "--max-num-seqs", "2")
+    with server_process(*flags, env={"PYTHONPATH": plugin_path}) as server:
+        def policy_in_use() -> set[tuple[str, str]]:
+            _, text = server.get("/metrics")
+            found = set()
+            for labels in re.findall(r"^pyagent:entry_info\{(.*)\} 1\.0$", text, re.M):
+                label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+                if label["kind"] == "eviction_policy":
+                    found.add((label["name"], label["distribution"]))
+            return found
+
+        assert policy_in_use() == {("faulty", "pyagent-faulty-test")}
+        # Distinct prompts fill the cache with filed blocks, so allocations must evict.
+        for i in range(24):
+            body = {"prompt": f"request {i}: " + "the quick brown fox " * 6, "max_tokens": 8, "ignore_eos": True}
+            status, answer = server.post_json("/v1/completions", body)
+            assert status == 200, answer
+            assert answer["choices"][0]["finish_reason"] == "length"
+        assert policy_in_use() == {("lru", "pyagent-framework")}
+        assert server.get("/health")[0] == 200
+        failures = [line for line in server.log_text().splitlines() if "raised in evict()" in line]
+        assert len(failures) == 1, failures
+        assert ("eviction_policy 'faulty' (pyagent-faulty-test 0.0.1) raised in evict(): "
+                "RuntimeError: faulty eviction policy: evict always fails") in failures[0]
+        assert "built-in 'lru'" in failures[0]
 
 
 # ---------------------------------------------------------------------- bounded work

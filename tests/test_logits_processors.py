@@ -266,7 +266,7 @@ def test_a_third_party_processor_is_found_through_its_entry_point_by_a_core_proc
         remote.close()
     assert not any({5, 17} & set(out) for out in expected)
     assert list(outs[0].outputs[0].token_ids) == expected[0] and outs[1].outputs[0].finish_reason == "error"
-    assert f"logits processor 'picky-test' ({listing.stdout.strip()} 0.0.1" in outs[1].error
+    assert f"logits_processor 'picky-test' ({listing.stdout.strip()} 0.0.1" in outs[1].error
 
 
 def test_a_processor_that_raises_fails_only_its_request(llm, prompt_ids):
@@ -277,7 +277,7 @@ def test_a_processor_that_raises_fails_only_its_request(llm, prompt_ids):
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
     failed = outs[1]
     assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.error_kind == "internal"
-    assert "logits processor 'picky-test'" in failed.error
+    assert "logits_processor 'picky-test'" in failed.error
     assert "Picky.apply" in failed.error and "token 42 is not welcome" in failed.error
     stats = llm.engine.stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
@@ -291,7 +291,7 @@ def test_a_processor_that_raises_fails_only_its_request(llm, prompt_ids):
     ([{"name": "no_repeat_ngrm", "args": {"n": 2}}], "logits_processors[0].name",
      ["no_repeat_ngrm", "did you mean 'no_repeat_ngram'", "min_length", "no_repeat_ngram"]),
     ([ngram(2), {"name": "no_repeat_ngram", "args": {"n": 0}}], "logits_processors[1].args",
-     ["logits processor 'no_repeat_ngram' (pyagent-framework", "n must be between 1 and 128, got 0"]),
+     ["logits_processor 'no_repeat_ngram' (pyagent-framework", "n must be between 1 and 128, got 0"]),
     ([{"name": "no_repeat_ngram", "args": {"n": "3"}}], "logits_processors[0].args", ["n must be an integer"]),
     ([{"name": "no_repeat_ngram", "args": {"m": 3}}], "logits_processors[0].args", ["no argument(s) 'm'", "its arguments: n"]),
     ([{"name": "no_repeat_ngram"}], "logits_processors[0].args", ["needs the argument(s) 'n'"]),

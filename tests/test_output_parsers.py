@@ -138,7 +138,7 @@ def test_a_parser_that_raises_fails_only_its_request(llm):
         finals.update((out.request_id, out) for out in engine.step() if out.finished)
     broken, fine = finals["broken"], finals["fine"]
     assert broken.outputs[0].finish_reason == "error" and broken.error_kind == "internal"
-    assert "tool parser 'broken-test'" in broken.error and "extract_streaming" in broken.error
+    assert "tool_parser 'broken-test'" in broken.error and "extract_streaming" in broken.error
     assert fine.error is None and fine.outputs[0].finish_reason == "length"
     assert not engine.has_unfinished_requests()
 

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from pyagent_framework import LLM, SamplingParams
+from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.builtins.lru import LRUPolicy
 from pyagent_framework.engine.config import make_config
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
@@ -319,7 +319,7 @@ def test_an_eviction_policy_that_raises_is_replaced_by_lru_and_the_cache_stays_c
     compute(pool, a)
     compute(pool, b)
     pool.free(a)  # 2 releases: the second raises, LRU takes over with both of a's blocks
-    assert pool.policy.failed and "eviction policy 'broken'" in caplog.text and "release" in caplog.text
+    assert pool.policy.failed and "eviction_policy 'broken'" in caplog.text and "release" in caplog.text
     pool.free(b)
     assert pool.num_free_blocks == 6 and sorted(pool.evictable_blocks()) == [0, 1, 2, 3]
     c = make_seq(range(8))
@@ -339,3 +339,55 @@ def test_an_evict_that_names_a_block_in_use_is_refused_and_lru_takes_over(caplog
     assert pool.allocate(c, 8)  # takes block 2, then must evict: the policy names block 0 (a's)
     assert c.block_ids == [2, 1] and a.block_ids == [0]
     assert pool.policy.failed and "not evictable" in caplog.text
+
+
+def test_a_plugin_that_takes_the_name_lru_is_guarded_too():
+    """The guard follows who provides the policy, not its name: only the kernel's own
+    LRU runs unguarded."""
+    from pyagent_framework.engine.faults import is_builtin
+    from pyagent_framework.engine.kv_cache import GuardedPolicy
+
+    assert is_builtin("eviction_policy", "lru")
+    assert not is_builtin("eviction_policy", "lfu")  # pyagent-eviction's
+    assert not isinstance(BlockPool(4, BS, eviction_policy=LRUPolicy(4), model_key="m", policy_name="lru").policy, GuardedPolicy)
+    registries.eviction_policies.register("guard-probe-test", BrokenPolicy)
+    try:
+        assert not is_builtin("eviction_policy", "guard-probe-test")
+        pool = BlockPool(4, BS, eviction_policy=BrokenPolicy(4), model_key="m", policy_name="guard-probe-test")
+        assert isinstance(pool.policy, GuardedPolicy) and pool.policy_name == "guard-probe-test"
+    finally:
+        registries.eviction_policies.unregister("guard-probe-test")
+
+
+def test_a_policy_that_cannot_be_built_leaves_the_engine_on_lru(caplog):
+    from pyagent_framework.engine import setup
+    from pyagent_framework.engine.config import EngineConfig
+
+    class Unbuildable(LRUPolicy):
+        def __init__(self, capacity):
+            raise ValueError("no capacity for this")
+
+    registries.eviction_policies.register("unbuildable-test", Unbuildable)
+    try:
+        config = EngineConfig(model="unused", eviction_policy="unbuildable-test")
+        policy, name = setup.eviction_policy(config, Unbuildable, 8)
+        assert name == "lru" and type(policy) is LRUPolicy
+        assert ("eviction_policy 'unbuildable-test' (registered at run time) raised in __init__(): "
+                "ValueError: no capacity for this") in caplog.text
+        with pytest.raises(ValueError):  # the kernel's own policy failing is a bug to surface
+            setup.eviction_policy(EngineConfig(model="unused"), Unbuildable, 8)
+    finally:
+        registries.eviction_policies.unregister("unbuildable-test")
+
+
+def test_stats_and_the_start_up_log_name_every_entry_in_use_with_its_distribution(llama, caplog):
+    with caplog.at_level("INFO", logger="pyagent_framework.engine"):
+        with LLM(llama, kv_cache_memory="16MiB", eviction_policy="lfu", engine_process=False) as llm:
+            entries = llm.engine.stats()["entries"]
+    logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("entries in use: "))
+    assert "eviction_policy 'lfu' (pyagent-eviction 0.1.0)" in logged and "model_architecture 'LlamaForCausalLM' (pyagent-hf" in logged
+    assert entries["eviction_policy"] == {"name": "lfu", "distribution": "pyagent-eviction", "version": "0.1.0", "plugin": "eviction"}
+    assert entries["model_architecture"]["name"] == "LlamaForCausalLM"
+    assert entries["weight_format"]["distribution"] == entries["tokenizer"]["distribution"] == "pyagent-hf"
+    assert {"attention_backend", "quantizer"} <= set(entries)
+    assert "kv_connector" not in entries and "proposer" not in entries  # none runs

@@ -190,6 +190,19 @@ def test_grammar_cache_shows_in_metrics(client):
     assert "pyagent:grammar_cache_bytes{" in text
 
 
+def test_metrics_name_every_entry_in_use_with_its_distribution(engine):
+    with make_client(engine, tool_call_parser="hermes", reasoning_parser="deepseek_r1", enable_auto_tool_choice=True) as c:
+        text = c.get("/metrics").text
+    rows = set()
+    for labels in re.findall(r"^pyagent:entry_info\{(.*)\} 1\.0$", text, re.M):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        rows.add((label["kind"], label["name"], label["distribution"]))
+    assert {("tool_parser", "hermes", "pyagent-parsers"), ("reasoning_parser", "deepseek_r1", "pyagent-parsers"),
+            ("model_architecture", "Qwen2ForCausalLM", "pyagent-hf"), ("tokenizer", "hf", "pyagent-hf"),
+            ("eviction_policy", "lru", "pyagent-framework")} <= rows
+    assert {kind for kind, _, _ in rows} >= {"weight_format", "attention_backend", "quantizer"}
+
+
 def test_empty_schema_honours_max_tokens(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "anything", "schema": {}}}
     response = chat(client, response_format=fmt, max_tokens=8, temperature=1.0, seed=0)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pyagent_framework import parallel, registries
-from pyagent_framework.engine import kv_sizing, loader, setup
+from pyagent_framework.engine import entries, kv_sizing, loader, setup
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.cuda_graphs import DecodeGraphs
 from pyagent_framework.engine.errors import TEXT_MODEL_NO_EMBEDDINGS, ConfigError, InvalidRequestError
@@ -56,6 +56,7 @@ class EngineCore:
         self.model_path = loader.resolve_model(config.model, config.gguf_file)
         weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
+        self.weight_format = entries.entry_name_of("weight_format", weight_format)
         self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, self.model_path)
         # "auto" / unset resolved to the names that run (native ones when installed).
         self.attention_backend = loader.choose_attention_backend(config.attention_backend, self.device)
@@ -95,14 +96,15 @@ class EngineCore:
         self.model_identity = None
         if connector_cls is not None:
             self.model_identity = setup.model_identity(config, self.model_path, self.model_config, self.quantization)
+        policy, policy_name = (None, None) if policy_cls is None else setup.eviction_policy(config, policy_cls, num_blocks)
         try:
             self.pool = BlockPool(
                 num_blocks,
                 config.block_size,
-                eviction_policy=None if policy_cls is None else policy_cls(num_blocks),
+                eviction_policy=policy,
                 model_key=self.model_path if self.model_identity is None else self.model_identity.hex(),
                 hash_algorithm=config.prefix_cache_hash,
-                policy_name=config.eviction_policy,
+                policy_name=policy_name,
             )
         except ValueError as exc:
             raise ConfigError(str(exc), field="prefix_cache_hash") from None
@@ -149,6 +151,7 @@ class EngineCore:
         self._batch: ScheduledBatch | None = None  # the step under way, once scheduled
         self.step_times = StepTimes()  # of steps that ran the model
         self.profiler = Profiler(self.device)
+        logger.info("entries in use: %s", entries.describe(self.entries()))
 
     def _profile_forward(self) -> int:
         """The activation peak (bytes) of the largest step, for sizing the KV cache on a GPU."""
@@ -156,6 +159,21 @@ class EngineCore:
             self.model, self.device, num_tokens=self.config.max_num_batched_tokens, num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len, block_size=self.config.block_size,
         )
+
+    def entries(self) -> dict[str, dict[str, str | None]]:
+        """Every registry entry this engine runs, with the distribution that provides it."""
+        architectures = self.model_config.get("architectures") or []
+        return entries.selected({
+            "weight_format": self.weight_format,
+            "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
+            "tokenizer": self.tokenizer_name,
+            "attention_backend": self.attention_backend,
+            "quantizer": self.quantization,
+            "eviction_policy": self.pool.policy_name if self.pool.caching else None,
+            "kv_connector": self.config.kv_connector if self.kv_transfer is not None else None,
+            "proposer": self.speculator.name if self.speculator is not None else None,
+            "grammar_backend": None if self.config.grammar_backend == "auto" else self.config.grammar_backend,
+        })
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -277,6 +295,7 @@ class EngineCore:
             "num_priority_preemptions": self.scheduler.num_priority_preemptions,
             "num_request_errors": self.updater.num_request_errors,
             "prefix_caching": pool.caching,
+            "entries": self.entries(),
             **pool.stats(),
             **self.grammar.stats(),
             **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),

@@ -31,26 +31,58 @@ class ModelForwardError(RuntimeError):
 
 
 class PluginCallError(RuntimeError):
-    """A plugin raised while serving one request; the message names the plugin
-    (kind and entry, and the distribution that registered it), the call and the error."""
+    """A plugin raised while serving one request; the message names the entry (kind,
+    name, and the distribution that registered it), the call and the error:
+    ``tool_parser 'x' (pyagent-x 0.1.0) raised in extract(): ValueError: bad``."""
 
     def __init__(self, kind: str, name: str, call: str, exc: BaseException) -> None:
-        super().__init__(f"{describe_entry(kind, name)} raised in {call}: {type(exc).__name__}: {exc}")
+        super().__init__(describe_failure(kind, name, call, exc))
         self.kind, self.name, self.call = kind, name, call
 
 
-def describe_entry(kind: str, name: str) -> str:
-    """``grammar backend 'xgrammar' (pyagent-xgrammar 0.1.0 (plugin 'xgrammar'))``, or
-    without the provider when the registry does not know the name."""
+def entry_provider(kind: str, name: str) -> dict[str, str | None]:
+    """Who provides the entry ``name`` of ``kind``: ``{"name", "distribution",
+    "version", "plugin"}`` (the distribution None when the registry does not know it,
+    or host code registered it at run time)."""
     from pyagent_framework import registries
 
-    label = f"{kind.replace('_', ' ')} {name!r}"
-    registry = getattr(registries, kind + "s", None)
+    registry = registries.KINDS.get(kind)
     try:
-        provider = registry.get(name).provider if registry is not None else None
-    except Exception:  # unknown name, or a registry without it: the label alone
-        provider = None
-    return f"{label} ({provider})" if provider is not None else label
+        entry = registry.get(name) if registry is not None else None
+    except Exception:  # unknown name: nothing more to say than the name
+        entry = None
+    provider = entry.provider if entry is not None else None
+    return {
+        "name": entry.name if entry is not None else name,
+        "distribution": provider.distribution if provider is not None else None,
+        "version": provider.version if provider is not None else None,
+        "plugin": provider.plugin if provider is not None else None,
+    }
+
+
+def is_builtin(kind: str, name: str) -> bool:
+    """Whether the kernel itself provides the entry (a plugin may take over its name)."""
+    return entry_provider(kind, name)["plugin"] == "builtins"
+
+
+def describe_entry(kind: str, name: str) -> str:
+    """``grammar_backend 'xgrammar' (pyagent-xgrammar 0.1.0)``; an entry host code
+    registered is ``(registered at run time)``, an unknown name has no parenthesis."""
+    who = entry_provider(kind, name)
+    label = f"{kind} {name!r}"
+    if who["distribution"]:
+        return f"{label} ({who['distribution']} {who['version'] or ''})".replace(" )", ")")
+    if who["plugin"]:
+        return f"{label} (registered at run time)" if who["plugin"] == "<runtime>" else f"{label} (plugin {who['plugin']!r})"
+    return label
+
+
+def describe_failure(kind: str, name: str, call: str, error: BaseException | str) -> str:
+    """``KIND 'NAME' (DISTRIBUTION VERSION) raised in METHOD(): Type: message``: one
+    wording for every entry's failure, in HTTP bodies and logs alike."""
+    what = error if isinstance(error, str) else f"{type(error).__name__}: {error}".rstrip(": ")
+    call = call if call.endswith(")") else f"{call}()"
+    return f"{describe_entry(kind, name)} raised in {call}: {what}"
 
 
 def guarded(fail: Callable[[Any, str], None], seq: Any, fn: Callable[..., Any], *args: Any) -> None:

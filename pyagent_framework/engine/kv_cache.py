@@ -22,7 +22,7 @@ import logging
 import struct
 from collections import deque
 
-from pyagent_framework.engine.faults import describe_entry
+from pyagent_framework.engine.faults import describe_failure, is_builtin
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import EvictionPolicy
 
@@ -94,7 +94,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy = eviction_policy
-        if eviction_policy is not None and policy_name not in (None, "lru"):
+        self.policy_name = policy_name  # the entry that runs ("lru" once a plugin's failed)
+        if eviction_policy is not None and policy_name is not None and not is_builtin("eviction_policy", policy_name):
             self.policy = GuardedPolicy(eviction_policy, policy_name, self)
         self.model_key = model_key
         self.hash_algorithm = hash_algorithm
@@ -286,13 +287,14 @@ class GuardedPolicy(EvictionPolicy):
         from pyagent_framework import registries
 
         logger.error(
-            "%s failed in %s (%s); prefix caching goes on with the built-in LRU policy",
-            describe_entry("eviction_policy", self.name), call, error if isinstance(error, str) else f"{type(error).__name__}: {error}",
+            "%s; the policy is disabled and prefix caching goes on with the built-in 'lru'",
+            describe_failure("eviction_policy", self.name, call, error),
         )
         lru = registries.eviction_policies.load("lru")(self.pool.num_blocks)
         for block in self.pool.evictable_blocks():
             lru.release(block)
         self.policy, self.failed = lru, True
+        self.pool.policy_name = "lru"
 
     def _call(self, call: str, *args):
         try:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyagent_framework.engine.faults import describe_failure
 from pyagent_framework.engine.kv_cache import BlockPool, block_hash, root_hash
 from pyagent_framework.engine.sequence import Sequence
 from pyagent_framework.interfaces import KVConnector
@@ -189,7 +190,9 @@ class KVTransfer:
         backoff_seconds: float = 10.0,
         max_pending_saves: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
     ) -> None:
+        """``name`` is the connector's registry name, for the log lines of its failures."""
         if role not in ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
         for name, value in (("failure_threshold", failure_threshold), ("max_pending_saves", max_pending_saves)):
@@ -204,6 +207,7 @@ class KVTransfer:
         self.loads = role in ("consumer", "both")
         self.saves = role in ("producer", "both")
         self.role = role
+        self.name = name
         self.breaker = CircuitBreaker(failure_threshold, backoff_seconds, clock)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()  # counts and _stored: the engine and the saver thread
@@ -228,7 +232,11 @@ class KVTransfer:
         except Exception as exc:  # any store error is a miss, never a failed request
             self._count(f"{kind}_failures")
             self.breaker.failure()
-            logger.warning("kv connector %s failed: %s: %s", kind, type(exc).__name__, exc)
+            logger.warning(
+                "%s; counted as a miss (%d failures in a row pause the connector for %gs)",
+                describe_failure("kv_connector", self.name or type(self.connector).__name__, getattr(fn, "__name__", kind), exc),
+                self.breaker.threshold, self.breaker.backoff,
+            )
             return False, None
         self.breaker.success()
         return True, result

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pyagent_framework import registries
-from pyagent_framework.engine import loader, setup
+from pyagent_framework.engine import entries, loader, setup
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.core import StepTimes
 from pyagent_framework.engine.errors import EMBEDDING_MODEL_NO_TEXT, ConfigError, InvalidRequestError
@@ -81,6 +81,7 @@ class PoolingCore:
             torch.set_num_threads(config.num_threads)
         self.device = loader.choose_device(config.device)
         self.model_path, self.model_config = model_path, model_config
+        self.weight_format = entries.entry_name_of("weight_format", weight_format)
         self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, model_path)
         self.attention_backend = "encoder"  # the encoder's own bidirectional attention
         self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format, self.device)
@@ -116,6 +117,17 @@ class PoolingCore:
         self.num_request_errors = 0
         self.step_times = StepTimes()
         self.profiler = Profiler(self.device)
+        logger.info("entries in use: %s", entries.describe(self.entries()))
+
+    def entries(self) -> dict[str, dict[str, str | None]]:
+        """Every registry entry this engine runs, with the distribution that provides it."""
+        architectures = self.model_config.get("architectures") or []
+        return entries.selected({
+            "weight_format": self.weight_format,
+            "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
+            "tokenizer": self.tokenizer_name,
+            "quantizer": self.quantization,
+        })
 
     def info(self) -> CoreInfo:
         return CoreInfo(
@@ -231,6 +243,7 @@ class PoolingCore:
             "num_preemptions": 0,
             "num_request_errors": self.num_request_errors,
             "num_embedded": self.num_embedded,
+            "entries": self.entries(),
             **self.step_times.stats(),
         }
 

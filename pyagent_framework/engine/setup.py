@@ -17,6 +17,7 @@ from pyagent_framework import registries
 from pyagent_framework.engine import kv_sizing, loader
 from pyagent_framework.engine.config import EngineConfig
 from pyagent_framework.engine.errors import ConfigError, InvalidRequestError
+from pyagent_framework.engine.faults import describe_failure, is_builtin
 from pyagent_framework.engine.kv_transfer import KVTransfer
 from pyagent_framework.engine.speculative import SpeculativeDecoder
 
@@ -78,6 +79,21 @@ def kv_connector_class(config: EngineConfig):
             field="kv_connector",
         )
     return loader.load_entry(registries.kv_connectors, config.kv_connector, "kv_connector")
+
+
+def eviction_policy(config: EngineConfig, policy_cls: Any, num_blocks: int) -> tuple[Any, str]:
+    """The prefix cache's policy, ``policy_cls(num_blocks)``, and the name it runs
+    under. A plugin's policy that fails to build is an engine-wide fault: logged by
+    name, and the built-in ``lru`` serves instead, as when it fails later on."""
+    name = config.eviction_policy
+    try:
+        return policy_cls(num_blocks), name
+    except Exception as exc:
+        if is_builtin("eviction_policy", name):
+            raise
+        logger.error("%s; prefix caching runs with the built-in 'lru'",
+                     describe_failure("eviction_policy", name, "__init__", exc))
+        return registries.eviction_policies.load("lru")(num_blocks), "lru"
 
 
 def make_lora(config: EngineConfig, model: torch.nn.Module, device: Any, ops: Any):
@@ -158,7 +174,8 @@ def make_kv_transfer(config: EngineConfig, connector_cls, kv_cache: torch.Tensor
             field="kv_connector_config",
         ) from None
     try:
-        return KVTransfer(connector, kv_cache, model_identity=identity, role=config.kv_role, **engine_options)
+        return KVTransfer(connector, kv_cache, model_identity=identity, role=config.kv_role, name=config.kv_connector,
+                          **engine_options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"kv_connector_config: {exc}", field="kv_connector_config") from None
 

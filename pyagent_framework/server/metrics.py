@@ -48,7 +48,8 @@ class ServerMetrics:
         )
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue):
             metric.labels(model_name)  # exported from the start, at zero
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.collector = _EngineCollector(stats, model_name)
+        self.registry.register(self.collector)
         self.tracing: Tracing | None = None  # set by the app with --otlp-traces-endpoint
 
     def track(self, num_prompt_tokens: int, *, delta: bool = False) -> "RequestTracker":
@@ -146,6 +147,7 @@ class _EngineCollector:
     def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self.stats = stats
         self.model_name = model_name
+        self.front_entries: dict[str, dict[str, Any]] = {}  # the server's parsers, set by the app
 
     def describe(self):
         return []  # collected lazily: describing must not touch the engine
@@ -182,6 +184,24 @@ class _EngineCollector:
             restarts.add_metric([self.model_name], float(stats.get("data_parallel_restarts", 0)))
             yield restarts
         yield from self._connector(stats)
+        yield self._entries(replicas, labels)
+
+    def _entries(self, replicas: list[dict], labels: list[str]):
+        """``pyagent:entry_info``: 1 for each registry entry in use, by kind and name,
+        with the distribution and version that provide it (the engine's, and the
+        server's own parsers)."""
+        family = GaugeMetricFamily(
+            PREFIX + "entry_info", "Registry entries in use, with the distribution and version that provide them",
+            labels=[*labels, "kind", "name", "distribution", "version"],
+        )
+        for replica in replicas:
+            for kind, who in {**(replica.get("entries") or {}), **self.front_entries}.items():
+                family.add_metric(
+                    [self.model_name, str(replica["replica"]), kind, str(who.get("name") or ""),
+                     str(who.get("distribution") or ""), str(who.get("version") or "")],
+                    1.0,
+                )
+        return family
 
     def _speculative(self, replicas: list[dict], labels: list[str]):
         """With --speculative-method: drafts, drafted and accepted tokens, and accepted

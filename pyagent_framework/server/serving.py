@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any
 
 from pyagent_framework.chat_templates import ChatTemplateError
+from pyagent_framework.engine import entries
 from pyagent_framework.engine.async_llm import AsyncLLM, EngineDeadError
 from pyagent_framework.engine.errors import InvalidRequestError
 from pyagent_framework.engine.output_parsers import OutputParsers
@@ -34,6 +36,8 @@ from pyagent_framework.server.metrics import ServerMetrics
 from pyagent_framework.server.responses import ResponsesMixin, ResponseStore
 from pyagent_framework.server.sampling import SamplingMixin
 from pyagent_framework.server.score import ScoreMixin
+
+logger = logging.getLogger("pyagent_framework.server")
 
 # Template variables a request may not set: the renderer's own inputs and its limits.
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -59,6 +63,10 @@ class OpenAIServing(ChatMixin, ResponsesMixin, CompletionsMixin, EmbeddingsMixin
         self.metrics = metrics
         # The parsers the config names (checked here; the front end builds them per sample).
         self.tool_parser_cls, self.reasoning_parser_cls = load_parsers(config)
+        parsers = entries.selected({"tool_parser": config.tool_call_parser, "reasoning_parser": config.reasoning_parser})
+        metrics.collector.front_entries = parsers
+        if parsers:
+            logger.info("parsers in use: %s", entries.describe(parsers))
         self.response_store = ResponseStore(config.max_stored_responses)  # /v1/responses
         self.created = int(time.time())
 
