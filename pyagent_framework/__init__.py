@@ -6,7 +6,7 @@ The kernel is the plugin contract (:mod:`.hookspecs`), the interfaces entries sa
 until an entry is loaded by name.
 """
 
-from pyagent_framework.hookspecs import hookimpl
+from pyagent_framework.hookspecs import Register, hookimpl
 
 # Importing the plugin loader installs plugin discovery into the registries, which
 # cannot import the loader themselves (it sits a layer above them; tests/test_layers.py).
@@ -15,8 +15,8 @@ from pyagent_framework.plugins import API_VERSION
 
 __version__ = "0.1.0"
 
-__all__ = ["API_VERSION", "AsyncLLM", "BeamSearchParams", "LLM", "LoRARequest", "OutputParsers", "SamplingParams",
-           "StructuredOutputsParams", "hookimpl", "registries"]
+__all__ = ["API_VERSION", "AsyncLLM", "BeamSearchParams", "LLM", "LoRARequest", "OutputParsers", "Register",
+           "SamplingParams", "StructuredOutputsParams", "hookimpl", "registries"]
 
 # Imported on first use: `import pyagent_framework` stays free of torch.
 _LAZY = {

@@ -6,8 +6,9 @@
   names the option.
 - :class:`EngineDeadError`: the engine stopped (its model forward failed, a step
   stalled, its core process died); no request can be served.
-- :class:`PluginWarning` / :class:`PluginLoadError`: a plugin was skipped (an error
-  instead under ``PYAGENT_STRICT_PLUGINS=1``); see :mod:`pyagent_framework.plugins`.
+- :class:`PluginWarning` / :class:`PluginLoadError`: a plugin was skipped (under
+  ``PYAGENT_STRICT_PLUGINS=1``, one error naming every failed plugin once the whole
+  load has run); see :mod:`pyagent_framework.plugins`.
 """
 
 from __future__ import annotations
@@ -42,4 +43,12 @@ class PluginWarning(UserWarning):
 
 
 class PluginLoadError(RuntimeError):
-    """A plugin failed to load while ``PYAGENT_STRICT_PLUGINS=1``."""
+    """Plugins failed to load while ``PYAGENT_STRICT_PLUGINS=1``: raised once the whole
+    load has run, naming every failure. ``infos`` holds what the load found (each
+    plugin's :class:`~pyagent_framework.plugins.PluginInfo`), ``failures`` one
+    message per failure."""
+
+    def __init__(self, message: str, *, infos: list | None = None, failures: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.infos = list(infos or [])
+        self.failures = list(failures or [])

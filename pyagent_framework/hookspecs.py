@@ -15,9 +15,14 @@ supports::
         register("fifo", "my_plugin.fifo:FIFOPolicy", description="first in, first out")
 
 Every registration hook receives one argument, ``register``: a callback owned by the
-kernel with the signature::
+kernel with the signature (:class:`Register`, for type checkers)::
 
     register(name, target, *, aliases=(), description="", override=False, **metadata)
+
+The parameter must be named ``register``: pluggy passes hook arguments by name, so a
+hook whose parameter has another name is refused (the plugin is skipped), and a hook
+with no parameter is called with none and can register nothing (a warning; a failure
+under ``PYAGENT_STRICT_PLUGINS=1``).
 
 ``target`` is the entry itself (usually a class) or a lazy ``"module:attr"`` string
 that the kernel imports only when a host first loads the entry by name, so listing
@@ -28,10 +33,14 @@ without it a clash is an error naming both distributions.
 Each hook is called once per plugin, when a registry is first used in a process.
 Registration hooks return nothing. The interface each entry must satisfy lives in
 :mod:`pyagent_framework.interfaces`; an entry given as an object is checked at
-registration, a lazy entry when it is first loaded.
+registration, a lazy entry when it is first loaded (or by ``pyagent plugins
+--check``): its members, each method's signature against the interface's, and the
+constructor the hook below documents.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import pluggy
 
@@ -41,8 +50,27 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class Register(Protocol):
+    """The ``register`` callback a registration hook receives (its parameter must be
+    named ``register``). ``target`` is the entry or a lazy ``"module:attr"`` string;
+    extra keyword arguments are kept as the entry's metadata. Raises ``ValueError``
+    (a bad name or target, a clash without ``override``) or an ``InterfaceError``
+    (an entry object that does not satisfy its kind's interface)."""
+
+    def __call__(
+        self,
+        name: str,
+        target: Any,
+        *,
+        aliases: tuple[str, ...] | list[str] = (),
+        description: str = "",
+        override: bool = False,
+        **metadata: Any,
+    ) -> None: ...
+
+
 @hookspec
-def pyagent_register_tokenizers(register):
+def pyagent_register_tokenizers(register: Register):
     """Register tokenizers.
 
     Called once per process on first use of ``registries.tokenizers``. Each entry is a
@@ -52,7 +80,7 @@ def pyagent_register_tokenizers(register):
 
 
 @hookspec
-def pyagent_register_model_architectures(register):
+def pyagent_register_model_architectures(register: Register):
     """Register model architectures.
 
     Called once per process on first use of ``registries.model_architectures``. Names
@@ -65,7 +93,7 @@ def pyagent_register_model_architectures(register):
 
 
 @hookspec
-def pyagent_register_weight_formats(register):
+def pyagent_register_weight_formats(register: Register):
     """Register weight formats (checkpoint readers).
 
     Called once per process on first use of ``registries.weight_formats``. Each entry
@@ -76,7 +104,7 @@ def pyagent_register_weight_formats(register):
 
 
 @hookspec
-def pyagent_register_attention_backends(register):
+def pyagent_register_attention_backends(register: Register):
     """Register attention backends.
 
     Called once per process on first use of ``registries.attention_backends``. Each
@@ -88,7 +116,7 @@ def pyagent_register_attention_backends(register):
 
 
 @hookspec
-def pyagent_register_quantizers(register):
+def pyagent_register_quantizers(register: Register):
     """Register quantizers.
 
     Called once per process on first use of ``registries.quantizers``. Each entry is a
@@ -99,7 +127,7 @@ def pyagent_register_quantizers(register):
 
 
 @hookspec
-def pyagent_register_tool_parsers(register):
+def pyagent_register_tool_parsers(register: Register):
     """Register tool-call parsers.
 
     Called once per process on first use of ``registries.tool_parsers``. Each entry is
@@ -110,7 +138,7 @@ def pyagent_register_tool_parsers(register):
 
 
 @hookspec
-def pyagent_register_reasoning_parsers(register):
+def pyagent_register_reasoning_parsers(register: Register):
     """Register reasoning parsers.
 
     Called once per process on first use of ``registries.reasoning_parsers``. Each
@@ -121,7 +149,7 @@ def pyagent_register_reasoning_parsers(register):
 
 
 @hookspec
-def pyagent_register_grammar_backends(register):
+def pyagent_register_grammar_backends(register: Register):
     """Register grammar (structured output) backends.
 
     Called once per process on first use of ``registries.grammar_backends``. Each entry
@@ -132,7 +160,7 @@ def pyagent_register_grammar_backends(register):
 
 
 @hookspec
-def pyagent_register_kv_connectors(register):
+def pyagent_register_kv_connectors(register: Register):
     """Register KV connectors.
 
     Called once per process on first use of ``registries.kv_connectors``. Each entry is
@@ -144,7 +172,7 @@ def pyagent_register_kv_connectors(register):
 
 
 @hookspec
-def pyagent_register_eviction_policies(register):
+def pyagent_register_eviction_policies(register: Register):
     """Register prefix-cache eviction policies.
 
     Called once per process on first use of ``registries.eviction_policies``. Each
@@ -156,7 +184,7 @@ def pyagent_register_eviction_policies(register):
 
 
 @hookspec
-def pyagent_register_proposers(register):
+def pyagent_register_proposers(register: Register):
     """Register speculative-decoding proposers.
 
     Called once per process on first use of ``registries.proposers``. Each entry is a
@@ -169,7 +197,7 @@ def pyagent_register_proposers(register):
 
 
 @hookspec
-def pyagent_register_logits_processors(register):
+def pyagent_register_logits_processors(register: Register):
     """Register logits processors.
 
     Called once per process on first use of ``registries.logits_processors``. Each
@@ -183,7 +211,7 @@ def pyagent_register_logits_processors(register):
 
 
 @hookspec
-def pyagent_register_chat_templates(register):
+def pyagent_register_chat_templates(register: Register):
     """Register named chat templates.
 
     Called once per process on first use of ``registries.chat_templates``. Each entry is

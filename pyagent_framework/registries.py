@@ -6,8 +6,9 @@
 
 Discovery belongs to the plugin loader (:mod:`pyagent_framework.plugins`), which sits
 above this module: importing the loader installs its ``ensure_loaded`` here with
-:func:`set_discovery`, and the package root imports the loader, so any use of a
-registry finds it installed. This module never imports the loader.
+:func:`set_discovery` (and its hint for unknown names with :func:`set_hint`), and the
+package root imports the loader, so any use of a registry finds it installed. This
+module never imports the loader.
 """
 
 from __future__ import annotations
@@ -36,8 +37,27 @@ def _ensure_loaded() -> None:
     _discover()
 
 
+def _no_hint(kind: str, name: object) -> str | None:
+    return None
+
+
+_hint: Callable[[str, object], str | None] = _no_hint
+
+
+def set_hint(hint: Callable[[str, object], str | None]) -> None:
+    """Install the function that adds a sentence to every registry's error for an
+    unknown name (the plugin loader names the plugins ``PYAGENT_PLUGINS`` excluded
+    that would provide it)."""
+    global _hint
+    _hint = hint
+
+
+def _unknown_hint(kind: str, name: object) -> str | None:
+    return _hint(kind, name)
+
+
 def _registry(kind: str, interface: type, alternatives: tuple[type, ...] = ()) -> Registry:
-    return Registry(kind, interface, alternatives=alternatives, ensure_loaded=_ensure_loaded)
+    return Registry(kind, interface, alternatives=alternatives, ensure_loaded=_ensure_loaded, hint=_unknown_hint)
 
 
 tokenizers = _registry("tokenizer", interfaces.Tokenizer)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyagent_framework.interfaces import missing_members
+from pyagent_framework.interfaces import missing_members, signature_problems
 
 logger = logging.getLogger("pyagent_framework.registry")
 
@@ -71,6 +71,8 @@ class Entry:
     aliases: tuple[str, ...] = ()
     description: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Where the plugin called ``register``: (file, line, function), when known.
+    origin: tuple[str, int, str] | None = field(default=None, compare=False)
 
     @property
     def is_lazy(self) -> bool:
@@ -118,7 +120,9 @@ class Registry:
     ``kind`` is singular ("tool_parser"); ``interface`` is the class entries must
     satisfy, or one of ``alternatives`` instead (a model architecture is a causal
     language model or an encoder). ``ensure_loaded`` is called before every read so
-    plugins are discovered lazily, on first use.
+    plugins are discovered lazily, on first use. ``hint(kind, name)``, if given, may
+    add a sentence to the error for an unknown name (the plugin loader says which
+    plugins ``PYAGENT_PLUGINS`` excluded that would provide it).
     """
 
     def __init__(
@@ -128,11 +132,13 @@ class Registry:
         *,
         alternatives: tuple[type, ...] = (),
         ensure_loaded: Callable[[], None] | None = None,
+        hint: Callable[[str, Any], str | None] | None = None,
     ) -> None:
         self.kind = kind
         self.interface = interface
         self.alternatives = alternatives
         self._ensure_loaded = ensure_loaded or (lambda: None)
+        self._hint = hint or (lambda kind, name: None)
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._aliases: dict[str, str] = {}
@@ -164,10 +170,12 @@ class Registry:
         aliases: tuple[str, ...] | list[str] = (),
         description: str = "",
         metadata: dict[str, Any] | None = None,
+        origin: tuple[str, int, str] | None = None,
     ) -> Entry:
         """Validate the arguments of one registration and build its entry.
 
         Eager targets are checked against the interface now; lazy ones on first load.
+        ``origin`` is where the registration was made (file, line, function).
         """
         _check_name(self.kind, name)
         if isinstance(aliases, str):
@@ -193,6 +201,7 @@ class Registry:
             aliases=aliases,
             description=description,
             metadata=dict(metadata or {}),
+            origin=origin,
         )
 
     def check_clash(self, entry: Entry) -> None:
@@ -256,9 +265,15 @@ class Registry:
         self._ensure_loaded()
         with self._lock:
             canonical = self.resolve_quiet(name) if isinstance(name, str) else None
-            if canonical is None:
-                raise UnknownEntryError(self._unknown_message(name))
-            return self._entries[canonical]
+            if canonical is not None:
+                return self._entries[canonical]
+            message = self._unknown_message(name)
+        # The hint may import plugins (and take the loader's lock): never under ours.
+        try:
+            hint = self._hint(self.kind, name)
+        except Exception:  # a hint must never hide the error it decorates
+            hint = None
+        raise UnknownEntryError(f"{message}; {hint}" if hint else message)
 
     def load(self, name: str) -> Any:
         """The entry's object, importing a lazy target on first use and checking it."""
@@ -305,14 +320,30 @@ class Registry:
 
     # ------------------------------------------------------------------ helpers
 
+    def satisfied_interface(self, obj: Any) -> type | None:
+        """The interface (or alternative) whose members ``obj`` has, or None."""
+        for interface in (self.interface, *self.alternatives):
+            if not missing_members(obj, interface):
+                return interface
+        return None
+
     def _check_interface(self, name: str, obj: Any, provider: Provider) -> None:
-        missing = missing_members(obj, self.interface)
-        if missing and not any(not missing_members(obj, other) for other in self.alternatives):
+        """Members by name, then each method's signature and the constructor (see
+        :func:`pyagent_framework.interfaces.signature_problems`)."""
+        interface = self.satisfied_interface(obj)
+        if interface is None:
+            missing = missing_members(obj, self.interface)
             others = "".join(f" (or {other.__module__}.{other.__qualname__})" for other in self.alternatives)
             raise InterfaceError(
                 f"{self.kind} {name!r} from {provider} does not satisfy "
                 f"{self.interface.__module__}.{self.interface.__qualname__}{others}: "
                 f"missing {', '.join(missing)}"
+            )
+        problems = signature_problems(obj, interface)
+        if problems:
+            raise InterfaceError(
+                f"{self.kind} {name!r} from {provider} does not satisfy "
+                f"{interface.__module__}.{interface.__qualname__}: " + "\n".join(problems)
             )
 
     def _unknown_message(self, name: Any) -> str:

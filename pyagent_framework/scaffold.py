@@ -2,8 +2,8 @@
 
 The result is a complete distribution: a pyproject with the ``pyagent_framework``
 entry point, a plugin module with the registration hook, an example entry that
-implements the kind's interface, a README and a test. ``pip install -e`` makes it
-discoverable with no further edits.
+implements the kind's interface, a README and a test. ``pyagent plugin install -e``
+(pip of the interpreter running pyagent) makes it discoverable with no further edits.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -73,6 +74,24 @@ def install(root: Path, entries: Entries) -> Path:
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
     (info / "entry_points.txt").write_text(f"[pyagent_framework]\n{dist} = {module}\n")
+    return root
+
+
+def write_plugin(root: Path, dist: str, files: Mapping[str, str], *, entry_point: str | None = None) -> Path:
+    """Write, under ``root``, the distribution ``dist`` made of ``files`` (path relative
+    to ``root`` -> source, dedented) with a ``.dist-info`` whose ``pyagent_framework``
+    entry point names ``entry_point`` (default: the module ``<dist>.plugin``, dashes as
+    underscores); returns ``root``, the folder to put on ``PYTHONPATH``. Unlike
+    :func:`install`, the plugin's source is the test's to write, broken or not."""
+    module = dist.replace("-", "_")
+    for relative, source in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source).lstrip("\n"))
+    info = root / f"{module}-0.0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text(f"[pyagent_framework]\n{module} = {entry_point or module + '.plugin'}\n")
     return root
 
 

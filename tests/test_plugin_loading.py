@@ -175,11 +175,15 @@ def test_load_returns_the_plugin_object(throwaways):
 
 
 def test_allowlist_excludes_plugins_and_accepts_entry_point_names(throwaways):
-    only_builtins = plugins_json(PYAGENT_PLUGINS="")
-    assert only_builtins[dist("good")]["status"] == "excluded"
-    assert only_builtins["pyagent-framework"]["status"] == "loaded"
+    first_party = plugins_json(PYAGENT_PLUGINS="")  # empty: the first-party distributions only
+    assert first_party[dist("good")]["status"] == "excluded"
+    assert first_party["pyagent-framework"]["status"] == "loaded"
+    assert first_party["pyagent-hf"]["status"] == "loaded"
     parsers = cli_json("list", "tool_parser", "--json", PYAGENT_PLUGINS="")
     assert "throwaway_upper" not in [e["name"] for e in parsers]
+    only_builtins = plugins_json(PYAGENT_PLUGINS="-*")
+    assert only_builtins["pyagent-framework"]["status"] == "loaded"
+    assert only_builtins["pyagent-hf"]["status"] == only_builtins[dist("good")]["status"] == "excluded"
 
     by_entry_point_name = plugins_json(PYAGENT_PLUGINS="pyagent_throwaway_good")
     assert by_entry_point_name[dist("good")]["status"] == "loaded"
@@ -207,6 +211,7 @@ def test_excluded_plugin_load_fails_with_unknown_name(throwaways):
         PYAGENT_PLUGINS="",
     )
     assert "unknown tool_parser 'throwaway_upper'" in result.stdout
+    assert f"PYAGENT_PLUGINS excludes {dist('good')}, which provides tool_parser 'throwaway_upper'" in result.stdout
 
 
 def test_every_broken_variant_is_skipped_with_a_warning_naming_it(throwaways):
@@ -240,6 +245,9 @@ def test_broken_variant_is_fatal_under_strict(throwaways, variant):
     assert result.returncode == 1
     assert dist(variant) in result.stderr
     assert REASONS[variant] in result.stderr
+    assert f"pyagent: failed plugin {dist(variant).replace('-', '_')!r}" in result.stderr  # not "skipped"
+    assert f"{dist(variant).replace('-', '_')}  [failed]" in result.stdout  # still listed
+    assert "builtins  [loaded]" in result.stdout
 
 
 def test_override_replaces_a_builtin_and_is_logged(throwaways):

@@ -22,6 +22,7 @@ BOB = Provider(plugin="bob", distribution="pyagent-bob", version="0.3")
 
 
 class Complete(EvictionPolicy):
+    def __init__(self, capacity=0): ...  # built as cls(capacity), as the engine does
     def insert(self, block): ...
     def touch(self, block): ...
     def release(self, block): ...
@@ -33,6 +34,7 @@ class Complete(EvictionPolicy):
 
 
 class DuckTyped:  # satisfies the interface without subclassing it
+    __init__ = Complete.__init__
     insert = touch = release = remove = Complete.insert
     evict = Complete.evict
     __len__ = Complete.__len__

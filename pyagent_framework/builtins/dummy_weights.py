@@ -49,7 +49,7 @@ class DummyWeights(WeightFormat):
         for name, param in model.named_parameters():
             yield name, _random_like(name, param, generator)
 
-    def load_into(self, model, path: str) -> set[str]:
+    def load_into(self, model, path: str, packed: frozenset[str] = frozenset()) -> set[str]:
         generator = torch.Generator().manual_seed(self.seed)
         loaded = set()
         with torch.no_grad():

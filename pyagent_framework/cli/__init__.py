@@ -16,28 +16,6 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    from pyagent_framework.plugins import plugin_details, plugin_infos
-
-    infos = plugin_infos()
-    if args.json:
-        print(json.dumps([{**info.as_dict(), "details": plugin_details(info)} for info in infos], indent=2))
-        return 0
-    for info in infos:
-        where = f"{info.distribution} {info.version or ''}".strip() if info.distribution else "-"
-        print(f"{info.name}  [{info.status}]  {where}")
-        if info.reason:
-            print(f"    reason: {info.reason}")
-        details = plugin_details(info)
-        if details:
-            print(f"    details: {details}")
-        if info.hooks:
-            print(f"    hooks: {', '.join(info.hooks)}")
-        for kind, names in sorted(info.entries.items()):
-            print(f"    {kind}: {', '.join(names)}")
-    return 0
-
-
 def _cmd_list(args: argparse.Namespace) -> int:
     from pyagent_framework import registries
 
@@ -64,19 +42,6 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{entry.name}{aliases}  from {entry.provider}")
         if entry.description:
             print(f"    {entry.description}")
-    return 0
-
-
-def _cmd_plugin_new(args: argparse.Namespace) -> int:
-    from pyagent_framework.scaffold import ScaffoldError, render_plugin
-
-    try:
-        path = render_plugin(args.name, args.kind, args.dir, entry_name=args.entry_name)
-    except ScaffoldError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"created {path}")
-    print(f"next: pip install -e {path} && pytest {path}")
     return 0
 
 
@@ -253,8 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyagent", description="pyagent-framework command line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("plugins", help="installed plugins: status, hooks and entries")
+    p = sub.add_parser(
+        "plugins",
+        help="installed plugins: status, hooks and entries",
+        description="List installed plugins: status, hooks and entries. Exits 1 when PYAGENT_STRICT_PLUGINS=1 "
+        "and a plugin failed (the list is printed all the same).",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also import every entry and check it against its interface (methods' signatures, constructor); "
+        "print every failure with its traceback and every warning (a plugin that registers nothing, a hook "
+        "without 'register'); exit 1 if anything is wrong, warnings included, else 0",
+    )
     p.set_defaults(func=_cmd_plugins)
 
     p = sub.add_parser("list", help="entries of one registry kind, or counts per kind")
@@ -301,12 +278,59 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--dir", default=".", help="parent directory (default: current)")
     new.add_argument("--entry-name", default=None, help="registry name of the example entry")
     new.set_defaults(func=_cmd_plugin_new)
+    install = plugin_sub.add_parser(
+        "install",
+        help="pip-install plugin distributions into the Python that runs this pyagent",
+        usage="pyagent plugin install [-h] [-e] DIR [DIR ...] [-- PIP_ARG ...]",
+        description="Install plugin distributions with `python -m pip install` of the interpreter running "
+        "pyagent (so they land where this pyagent finds them), then list the plugins found in them. "
+        "Arguments after `--` go to pip as they are, e.g. "
+        "`pyagent plugin install -e DIR -- --no-build-isolation --no-deps`. "
+        "When every distribution's build requirements ([build-system] requires) are already installed here, "
+        "pip builds without isolation (--no-build-isolation), so no build tool is fetched; --isolated-build "
+        "always isolates. "
+        "Exits with pip's status if pip fails, 1 if a distribution installed but no plugin of it loaded.",
+    )
+    install.add_argument("-e", "--editable", action="store_true", help="editable installs (pip install -e DIR)")
+    install.add_argument("--isolated-build", action="store_true",
+                         help="let pip build in an isolated environment even when the build requirements are installed here")
+    install.add_argument("dirs", nargs="+", metavar="DIR", help="folder of a plugin distribution (its pyproject.toml)")
+    install.set_defaults(func=_cmd_plugin_install, pip_args=[])
     return parser
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from pyagent_framework.cli.plugin_commands import cmd_plugins
+
+    return cmd_plugins(args)
+
+
+def _cmd_plugin_new(args: argparse.Namespace) -> int:
+    from pyagent_framework.cli.plugin_commands import cmd_plugin_new
+
+    return cmd_plugin_new(args)
+
+
+def _cmd_plugin_install(args: argparse.Namespace) -> int:
+    from pyagent_framework.cli.plugin_commands import cmd_plugin_install
+
+    return cmd_plugin_install(args)
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``pyagent plugin install ... -- PIP_ARGS``: what follows ``--`` goes to pip."""
+    if argv[:2] == ["plugin", "install"] and "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
+    argv, passthrough = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if passthrough:
+        args.pip_args = passthrough
     from pyagent_framework.plugins import PluginLoadError
 
     try:

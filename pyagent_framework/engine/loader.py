@@ -170,16 +170,26 @@ def choose_weight_format(path: str, name: str | None):
         if fmt.matches(path):
             return fmt
     method = _quant_method(path)
+    hint = _allowlist_hint("weight_format")
     if method is not None:
         raise ConfigError(
             f"{path} is quantized with quant_method {method!r} (its config.json's quantization_config), which no "
-            f"installed weight format reads (available: {', '.join(registries.weight_formats.names())})",
+            f"installed weight format reads (available: {', '.join(registries.weight_formats.names())}){hint}",
             field="model",
         )
     raise ConfigError(
-        f"no weight format recognizes {path} (available: {', '.join(registries.weight_formats.names())})",
+        f"no weight format recognizes {path} (available: {', '.join(registries.weight_formats.names())}){hint}",
         field="model",
     )
+
+
+def _allowlist_hint(kind: str) -> str:
+    """``; PYAGENT_PLUGINS excludes pyagent-hf (which provides ...)`` when the allowlist
+    removed plugins that provide ``kind``, else empty."""
+    from pyagent_framework.plugins import allowlist_hint
+
+    hint = allowlist_hint(kind)
+    return f"; {hint}" if hint else ""
 
 
 def _quant_method(path: str) -> str | None:

@@ -5,7 +5,7 @@ methods, but the kernel checks entries structurally (:func:`missing_members`), s
 object that has the required members is accepted without subclassing.
 """
 
-from pyagent_framework.interfaces._check import missing_members, required_members
+from pyagent_framework.interfaces._check import missing_members, required_members, signature_problems
 from pyagent_framework.interfaces.attention import AttentionBackend, LayerOps, layer_ops
 from pyagent_framework.interfaces.chat_template import ChatTemplateSource
 from pyagent_framework.interfaces.eviction import EvictionPolicy
@@ -45,4 +45,5 @@ __all__ = [
     "layer_ops",
     "missing_members",
     "required_members",
+    "signature_problems",
 ]
