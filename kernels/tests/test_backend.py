@@ -9,6 +9,7 @@ import random
 import warnings
 
 import pytest
+from pyagent_framework.testing.attention import HEADS, AttentionBackendContract
 
 pytest.importorskip("transformers")
 
@@ -124,8 +125,27 @@ def test_falls_back_to_the_torch_ops_with_one_warning(tmp_path, monkeypatch, ker
 def test_registered_lazily_and_listed():
     """The entry point registers ``triton`` without importing triton or torch."""
     from pyagent_framework import registries
+    from pyagent_framework.testing import check_registration
 
-    assert "triton" in registries.attention_backends
+    assert registries.attention_backends.get("triton").is_lazy
     from pyagent_triton.backend import TritonAttention
 
-    assert registries.attention_backends.load("triton") is TritonAttention
+    assert check_registration("attention_backend", "triton", "pyagent-triton") is TritonAttention
+
+
+class TestContract(AttentionBackendContract):
+    """The framework's conformance kit against the torch reference (in Triton's
+    interpreter without a GPU, so on two head layouts and one seed there)."""
+
+    backend_name = "triton"
+    heads = (HEADS[1], HEADS[3])
+    seeds = (0,)
+
+
+class TestContractCuda(AttentionBackendContract):
+    """The whole kit on a GPU (skipped without one), at the float32 tolerance of the
+    kernels' own tests."""
+
+    backend_name = "triton"
+    device = "cuda"
+    atol = rtol = 1e-4

@@ -42,9 +42,10 @@ from tests.tiny_models import assert_same_greedy
 import pyagent_native
 import pyagent_native.attention as native_attention
 import pyagent_native.plugin as native_plugin
-from pyagent_framework import registries
 from pyagent_framework.builtins.torch_attention import DecodeBatch, TorchAttention
 from pyagent_framework.plugins import PluginWarning
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.attention import AttentionBackendContract
 from pyagent_framework.types import AttentionMetadata
 from pyagent_native import _core
 from pyagent_native.attention import NativeAttention
@@ -408,11 +409,19 @@ def test_forward_with_logit_softcap_matches_torch_backend(seqs, num_decodes, sli
 
 
 def test_registered_backend_is_native_attention():
-    entry = registries.attention_backends.get("native")
-    assert entry.provider.distribution == "pyagent-native"
-    assert entry.target == "pyagent_native.attention:NativeAttention"
-    assert registries.attention_backends.load("native") is NativeAttention
+    loaded = check_registration("attention_backend", "native", "pyagent-native", target="pyagent_native.attention:NativeAttention")
+    assert loaded is NativeAttention
     assert issubclass(NativeAttention, TorchAttention)
+
+
+class TestContract(AttentionBackendContract):
+    """The framework's conformance kit: the torch reference's output and cache on
+    prefill, decode, mixed, chunked and draft batches, GQA/MQA, head sizes 8 to 128,
+    sliding windows and soft-capping."""
+
+    backend_name = "native"
+    atol = ATOL
+    rtol = RTOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pyagent_framework.testing.quantizer import QuantizerContract
 from pyagent_native import _core
 from pyagent_native.linear import NativeLinear, NativeQuantizer
 
@@ -143,3 +144,11 @@ def test_engine_default_uses_native_linears_with_transformers_tokens(arch, tmp_p
         assert completion.token_ids == want_tokens
         got = [entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids)]
         assert got == pytest.approx(want_logprobs, abs=1e-4)
+
+
+class TestContract(QuantizerContract):
+    """The framework's quantizer kit: F.linear's result within float32 rounding,
+    bias, rows computed on their own, inputs left alone."""
+
+    quantizer_name = "native"
+    relative_error = 1e-5

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.builtins.lru import LRUPolicy
 from pyagent_framework.engine.kv_cache import block_hash, root_hash
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.eviction import EvictionPolicyContract
 from pyagent_native import _core
 
 
@@ -219,10 +221,20 @@ NATIVE = {
 @pytest.mark.parametrize("name", sorted(NATIVE))
 def test_native_twins_are_registered(name):
     cls, twin = NATIVE[name]
-    entry = registries.eviction_policies.get(name)
-    assert entry.provider.distribution == "pyagent-native"
-    assert twin in entry.description
-    assert registries.eviction_policies.load(name) is cls
+    assert check_registration("eviction_policy", name, "pyagent-native") is cls
+    assert twin in registries.eviction_policies.get(name).description
+
+
+class TestNativeLRUContract(EvictionPolicyContract):
+    policy_name = "native-lru"
+
+
+class TestNativeARCContract(EvictionPolicyContract):
+    policy_name = "native-arc"
+
+
+class TestNativeS3FIFOContract(EvictionPolicyContract):
+    policy_name = "native-s3fifo"
 
 
 @pytest.mark.parametrize("name", sorted(NATIVE))

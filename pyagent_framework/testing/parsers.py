@@ -139,10 +139,28 @@ def stream_tools(parser: ToolParser, text: str, cuts: Sequence[int], request: An
     return "".join(content) or None, [(c["name"], c["arguments"]) for c in ordered], [c["id"] for c in ordered]
 
 
+def _mismatch(what: str, expected: Any, actual: Any) -> AssertionError:
+    """``what`` differs: both results side by side, the first difference marked."""
+    expected, actual = repr(expected), repr(actual)
+    at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+    return AssertionError(
+        f"{what}\n"
+        f"  expected (extract of the whole text): {expected}\n"
+        f"  actual (the stream's deltas, joined): {actual}\n"
+        f"  first difference at character {at} of the two: {expected[at:at + 40]!r} vs {actual[at:at + 40]!r}"
+    )
+
+
 def check_tool_streaming(make, text: str, cuts: Sequence[int], request: Any = None) -> None:
+    """Streaming ``text`` cut at ``cuts`` joins to what ``extract`` gives for the whole
+    text; a difference raises ``AssertionError`` showing both."""
     content, calls, ids = tool_result(make(), text, request)
     s_content, s_calls, s_ids = stream_tools(make(), text, cuts, request)
-    assert (s_content, s_calls) == (content, calls), f"streaming {text!r} cut at {list(cuts)} differs from extract"
+    if (s_content, s_calls) != (content, calls):
+        raise _mismatch(
+            f"streaming {text!r} cut at {list(cuts)} differs from extract",
+            {"content": content, "calls": calls}, {"content": s_content, "calls": s_calls},
+        )
     for group in (ids, s_ids):
         assert all(isinstance(i, str) and i for i in group) and len(set(group)) == len(group), f"call ids: {group}"
 
@@ -284,7 +302,11 @@ class ReasoningParserContract:
     def check(self, text: str, cuts: Sequence[int], prompt: str) -> None:
         expected = reasoning_result(self.make(prompt), text, self.request)
         got = stream_reasoning(self.make(prompt), text, cuts)
-        assert got == expected, f"streaming {text!r} cut at {list(cuts)} after prompt {prompt!r} differs from extract"
+        if got != expected:
+            raise _mismatch(
+                f"streaming {text!r} cut at {list(cuts)} after prompt {prompt!r} differs from extract",
+                {"reasoning": expected[0], "content": expected[1]}, {"reasoning": got[0], "content": got[1]},
+            )
 
     def test_is_a_reasoning_parser(self):
         assert isinstance(self.make(), ReasoningParser)

@@ -4,7 +4,8 @@ import sys
 import pytest
 
 from pyagent_framework import registries
-from pyagent_framework.interfaces import EvictionPolicy
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.eviction import EvictionPolicyContract
 
 ENTRIES = [
     ("lfu", "pyagent_eviction.lfu:LFUPolicy"),
@@ -15,23 +16,25 @@ ENTRIES = [
 
 @pytest.mark.parametrize("name, target", ENTRIES)
 def test_registered_lazily_by_this_distribution(name, target):
+    check_registration("eviction_policy", name, "pyagent-eviction", target=target)
     entry = registries.eviction_policies.get(name)
-    assert entry.provider.distribution == "pyagent-eviction"
-    assert entry.target == target
-    assert entry.description
-
-
-@pytest.mark.parametrize("name, target", ENTRIES)
-def test_entries_load_and_satisfy_the_interface(name, target):
-    cls = registries.eviction_policies.load(name)
-    assert issubclass(cls, EvictionPolicy)
-    assert f"{cls.__module__}:{cls.__qualname__}" == target
-    policy = cls(16)
-    assert isinstance(policy, EvictionPolicy) and len(policy) == 0
+    assert entry.is_lazy and entry.description
 
 
 def test_builtin_lru_is_untouched():
-    assert registries.eviction_policies.get("lru").provider.distribution == "pyagent-framework"
+    check_registration("eviction_policy", "lru", "pyagent-framework")
+
+
+class TestLFUContract(EvictionPolicyContract):
+    policy_name = "lfu"
+
+
+class TestARCContract(EvictionPolicyContract):
+    policy_name = "arc"
+
+
+class TestS3FIFOContract(EvictionPolicyContract):
+    policy_name = "s3fifo"
 
 
 def test_plugin_module_imports_nothing_heavy():

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from pyagent_framework import registries  # noqa: E402
 from pyagent_framework.interfaces import ModelArchitecture  # noqa: E402
+from pyagent_framework.testing import check_registration  # noqa: E402
 from pyagent_framework.types import AttentionMetadata, ForwardContext  # noqa: E402
 
 ATOL = RTOL = 1e-4
@@ -306,7 +307,7 @@ def test_dynamic_rope_past_max_position_embeddings():
 
 def test_registered_by_pyagent_hf():
     for name in ARCHITECTURES:
-        assert registries.model_architectures.get(name).provider.distribution == "pyagent-hf"
+        check_registration("model_architecture", name, "pyagent-hf")
 
 
 def test_kv_cache_shape():

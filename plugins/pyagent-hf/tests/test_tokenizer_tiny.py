@@ -8,6 +8,7 @@ import pytest
 
 from pyagent_framework import registries
 from pyagent_framework.chat_templates import render_chat_template
+from pyagent_framework.testing.tokenizer import TokenizerContract
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -174,3 +175,24 @@ def test_bad_paths_raise_value_error_naming_the_path(tmp_path, smollm2_path):
     (broken / "tokenizer.json").write_text("{ this is not json")
     with pytest.raises(ValueError, match="broken"):
         cls.from_pretrained(str(broken))
+
+
+class TestByteLevelContract(TokenizerContract):
+    """The framework's tokenizer kit on the byte-level BPE."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tokenizer(cls, byte_level_dir):
+        return registries.tokenizers.load("hf").from_pretrained(str(byte_level_dir))
+
+
+class TestSentencePieceContract(TokenizerContract):
+    """The framework's tokenizer kit on the SentencePiece-style BPE with byte fallback
+    (whose normalizer puts "▁", a space, in front of the text)."""
+
+    token_bytes_prefix = b" "
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tokenizer(cls, sentencepiece_dir):
+        return registries.tokenizers.load("hf").from_pretrained(str(sentencepiece_dir))

@@ -8,6 +8,7 @@ import pytest
 from pyagent_kv_disk.connector import DiskConnector, default_path
 
 from pyagent_framework import registries
+from pyagent_framework.testing import check_registration
 
 
 def k(i: int) -> bytes:
@@ -249,7 +250,7 @@ def test_capacity_is_the_number_of_values_that_fit(tmp_path):
 def test_s3fifo_from_pyagent_eviction_keeps_reused_blocks(tmp_path):
     if "s3fifo" not in registries.eviction_policies:
         pytest.skip("pyagent-eviction is not installed")
-    assert registries.eviction_policies.get("s3fifo").provider.distribution == "pyagent-eviction"
+    check_registration("eviction_policy", "s3fifo", "pyagent-eviction")
     store = open_store(tmp_path, max_size=1000, eviction_policy="s3fifo")  # capacity 10, small queue 1
     store.put({k(i): value(i) for i in range(10)})
     assert store.get([k(0)]) == [value(0)]  # k0 reused while on probation

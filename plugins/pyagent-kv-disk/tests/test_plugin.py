@@ -3,14 +3,14 @@ import sys
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import KVConnector
+from pyagent_framework.testing import check_registration
 
 
 def test_registered_lazily_by_this_distribution():
+    check_registration("kv_connector", "disk", "pyagent-kv-disk", target="pyagent_kv_disk.connector:DiskConnector")
     entry = registries.kv_connectors.get("disk")
-    assert entry.provider.distribution == "pyagent-kv-disk"
     assert entry.provider.plugin == "kv_disk"
-    assert entry.target == "pyagent_kv_disk.connector:DiskConnector"
-    assert entry.description
+    assert entry.is_lazy and entry.description
 
 
 def test_entry_loads_and_satisfies_the_interface(tmp_path):

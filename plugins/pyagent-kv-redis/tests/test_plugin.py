@@ -4,15 +4,15 @@ import sys
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import KVConnector
+from pyagent_framework.testing import check_registration
 
 TARGET = "pyagent_kv_redis.connector:RedisConnector"
 
 
 def test_registered_lazily_by_this_distribution():
+    check_registration("kv_connector", "redis", "pyagent-kv-redis", target=TARGET)
     entry = registries.kv_connectors.get("redis")
-    assert entry.provider.distribution == "pyagent-kv-redis"
-    assert entry.target == TARGET
-    assert entry.description
+    assert entry.is_lazy and entry.description
 
 
 def test_entry_loads_and_satisfies_the_interface():

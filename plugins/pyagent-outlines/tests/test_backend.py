@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import GrammarBackend, GrammarMatcher
+from pyagent_framework.testing import check_registration
 from pyagent_framework.testing.grammar import (
     EOS, INFO, PIECES, SCHEMAS, SPECIAL, WORDS, GrammarBackendContract, walk_compiled,
 )
@@ -755,7 +756,5 @@ def test_unsupported_kinds_and_regex_features_raise_not_implemented(backend):
 
 
 def test_registered_lazily_by_this_distribution():
-    entry = registries.grammar_backends.get("outlines")
-    assert entry.provider.distribution == "pyagent-outlines"
-    assert entry.target == "pyagent_outlines.backend:OutlinesBackend"
-    assert issubclass(registries.grammar_backends.load("outlines"), GrammarBackend)
+    check_registration("grammar_backend", "outlines", "pyagent-outlines", target="pyagent_outlines.backend:OutlinesBackend")
+    assert registries.grammar_backends.get("outlines").is_lazy

@@ -40,6 +40,8 @@ import torch
 from pyagent_framework import LLM, SamplingParams, registries
 from pyagent_framework.engine.errors import ConfigError
 from pyagent_framework.interfaces import PackedWeight
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.weights import WeightFormatContract
 from pyagent_quant import prequantized
 from pyagent_quant.linear import PackedLinear
 from tests.tiny_models import assert_same_greedy, engine_greedy, hf_greedy, hf_model, tiny_checkpoint
@@ -537,13 +539,21 @@ def test_packed_weight_rows_and_concat_keep_order_and_offsets():
 
 
 def test_registered_by_this_distribution():
-    entry = registries.weight_formats.get("hf-quantized")
-    assert entry.provider.distribution == "pyagent-quant"
-    assert entry.target == "pyagent_quant.prequantized:HFQuantizedFormat"
-    quantizer = registries.quantizers.get("prequantized")
-    assert quantizer.target == "pyagent_quant.quantizers:PrequantizedQuantizer"
-    fmt = registries.weight_formats.load("hf-quantized")()
+    fmt = check_registration("weight_format", "hf-quantized", "pyagent-quant", target="pyagent_quant.prequantized:HFQuantizedFormat")()
+    check_registration("quantizer", "prequantized", "pyagent-quant", target="pyagent_quant.quantizers:PrequantizedQuantizer")
     assert fmt.supports_packed and fmt.default_quantization == "prequantized"
+
+
+class TestFormatContract(WeightFormatContract):
+    """The framework's conformance kit on a GPTQ and an AWQ checkpoint: recognized, a
+    config with its architecture, unique named weights, and damaged copies refused with
+    ValueError/OSError or read, never a crash."""
+
+    format_name = "hf-quantized"
+
+    @pytest.fixture(params=["gptq-4bit-asym-actorder", "awq"])
+    def checkpoint(self, request, tiny_llama, tmp_path):
+        return write_checkpoint(request.param, CASES[request.param], tiny_llama, tmp_path)[0]
 
 
 def _with_config(tmp_path: Path, float_path: str, quantization: dict | None) -> str:

@@ -5,6 +5,8 @@ import pytest
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import Proposer
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.proposer import ProposerContract
 
 ENTRIES = [
     ("ngram", "pyagent_spec.ngram:NgramProposer"),
@@ -12,12 +14,19 @@ ENTRIES = [
 ]
 
 
-@pytest.mark.parametrize("name, target", ENTRIES)
+@pytest.mark.parametrize("name, target", [*ENTRIES, ("draft_model", "pyagent_spec.draft_model:DraftModelProposer")])
 def test_registered_lazily_by_this_distribution(name, target):
+    check_registration("proposer", name, "pyagent-spec", target=target)
     entry = registries.proposers.get(name)
-    assert entry.provider.distribution == "pyagent-spec"
-    assert entry.target == target
-    assert entry.description
+    assert entry.is_lazy and entry.description
+
+
+class TestNgramContract(ProposerContract):
+    proposer_name = "ngram"
+
+
+class TestSuffixContract(ProposerContract):
+    proposer_name = "suffix"
 
 
 @pytest.mark.parametrize("name, target", ENTRIES)

@@ -3,18 +3,21 @@ import sys
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import Tokenizer
+from pyagent_framework.testing import check_registration
+from pyagent_framework.testing.tokenizer import TokenizerContract
 
 
-def test_registered_lazily_by_this_distribution():
-    entry = registries.tokenizers.get("tiktoken")
-    assert entry.provider.distribution == "pyagent-tiktoken"
-    assert entry.target == "pyagent_tiktoken.tokenizer:TiktokenTokenizer"
-
-
-def test_entry_loads_and_satisfies_the_interface(tok):
-    cls = registries.tokenizers.load("tiktoken")
-    assert issubclass(cls, Tokenizer)
+def test_registered_lazily_by_this_distribution(tok):
+    cls = check_registration("tokenizer", "tiktoken", "pyagent-tiktoken", target="pyagent_tiktoken.tokenizer:TiktokenTokenizer")
+    assert registries.tokenizers.get("tiktoken").is_lazy
     assert isinstance(tok, cls) and isinstance(tok, Tokenizer)
+
+
+class TestContract(TokenizerContract):
+    """The framework's tokenizer kit on cl100k_base (offline)."""
+
+    tokenizer_name = "tiktoken"
+    path = "ignored/path"
 
 
 def test_plugin_module_imports_nothing_heavy():

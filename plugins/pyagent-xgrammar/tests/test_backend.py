@@ -13,6 +13,7 @@ import pytest
 
 from pyagent_framework import registries
 from pyagent_framework.interfaces import GrammarBackend
+from pyagent_framework.testing import check_registration
 from pyagent_framework.testing.grammar import EOS, INFO, GrammarBackendContract, allowed, token, walk
 from pyagent_framework.types import GrammarSpec
 
@@ -77,10 +78,8 @@ def test_bounded_json_strings_use_the_strict_character_class(backend):
 
 
 def test_registered_lazily_by_this_distribution():
-    entry = registries.grammar_backends.get("xgrammar")
-    assert entry.provider.distribution == "pyagent-xgrammar"
-    assert entry.target == "pyagent_xgrammar.backend:XGrammarBackend"
-    assert issubclass(registries.grammar_backends.load("xgrammar"), GrammarBackend)
+    check_registration("grammar_backend", "xgrammar", "pyagent-xgrammar", target="pyagent_xgrammar.backend:XGrammarBackend")
+    assert registries.grammar_backends.get("xgrammar").is_lazy
 
 
 # ---------------------------------------------------------------- JSON-schema keywords
