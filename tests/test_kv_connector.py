@@ -166,10 +166,13 @@ def _same(a, b):
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
 
 
+BACKOFF = 1.0  # long enough that a loaded machine's next step still finds the breaker open
+
+
 def _engine(path, store=None, **kwargs):
     args = dict(kv_cache_memory="16MiB", block_size=4, attention_backend="torch", quantization="none")
     if store is not None:
-        args.update(kv_connector="memory-test", kv_connector_config={"shared": store, "backoff_seconds": 0.2})
+        args.update(kv_connector="memory-test", kv_connector_config={"shared": store, "backoff_seconds": BACKOFF})
     args.update(kwargs)
     return LLM(path, **args)
 
@@ -310,7 +313,7 @@ def test_a_block_labelled_with_another_model_is_refused(path, memory):
     assert second.engine.stats()["kv_connector_load_rejected_model"] >= 1
 
 
-def test_an_unreachable_store_costs_misses_not_requests_and_is_retried(path, memory):
+def test_an_unreachable_store_costs_misses_not_requests_and_is_retried(path, memory, caplog):
     prompts = _prompts()
     expected = _run(_engine(path), prompts)
     store: dict = {}
@@ -322,13 +325,16 @@ def test_an_unreachable_store_costs_misses_not_requests_and_is_retried(path, mem
     stats = llm.engine.stats()
     failures = sum(v for k, v in stats.items() if k.endswith("_failures"))
     assert failures >= 3 and stats["kv_connector_breaker_opened"] >= 1
+    logged = [r.getMessage() for r in caplog.records if "raised in" in r.getMessage()]
+    assert logged and all(m.startswith("kv_connector 'memory-test' (registered at run time) raised in ") for m in logged)
+    assert "ConnectionError: store down; counted as a miss (3 failures in a row pause the connector" in logged[0]
     calls = dict(connector.calls)
     _run(llm, [prompts[0] + [5, 6, 7, 8, 9]])  # breaker open: the store is not called
     assert connector.calls == calls
     connector.fail = None
     import time
 
-    time.sleep(0.25)  # the back-off passes; the store is back
+    time.sleep(BACKOFF + 0.05)  # the back-off passes; the store is back
     fresh = _prompts(seed=7)
     _same(_run(llm, fresh), _run(_engine(path), fresh))
     _flush(llm)

@@ -247,5 +247,5 @@ def test_an_entry_may_satisfy_an_alternative_interface_instead():
     add(registry, "Encoder", Encoder, BOB)
     assert registry.load("Encoder") is Encoder
     with pytest.raises(InterfaceError, match=r"ModelArchitecture \(or pyagent_framework.interfaces.model.EncoderArchitecture\): "
-                                             r"missing compute_logits, load_weights"):
+                                             r"missing compute_logits, kv_cache_shape, load_weights"):
         add(registry, "Neither", Neither, BOB)

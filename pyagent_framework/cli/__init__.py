@@ -140,7 +140,8 @@ def _print_stream(llm, prompt, params) -> str:
 def _output_json(out) -> dict:
     completion = out.outputs[0]
     metrics = out.metrics
-    return {
+    failed = {"error": out.error} if out.error else {}  # finish_reason "error": what failed, by name
+    return {**failed,
         "prompt": out.prompt,
         "text": completion.text,
         "token_ids": completion.token_ids,

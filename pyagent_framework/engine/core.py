@@ -173,6 +173,7 @@ class EngineCore:
             "kv_connector": self.config.kv_connector if self.kv_transfer is not None else None,
             "proposer": self.speculator.name if self.speculator is not None else None,
             "grammar_backend": None if self.config.grammar_backend == "auto" else self.config.grammar_backend,
+            "chat_template": self.config.chat_template if self.config.chat_template in registries.chat_templates else None,
         })
 
     def info(self) -> CoreInfo:

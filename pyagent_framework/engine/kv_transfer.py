@@ -195,9 +195,9 @@ class KVTransfer:
         """``name`` is the connector's registry name, for the log lines of its failures."""
         if role not in ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
-        for name, value in (("failure_threshold", failure_threshold), ("max_pending_saves", max_pending_saves)):
+        for option, value in (("failure_threshold", failure_threshold), ("max_pending_saves", max_pending_saves)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{option} must be a positive integer, got {value!r}")
         if isinstance(backoff_seconds, bool) or not isinstance(backoff_seconds, (int, float)) or backoff_seconds < 0:
             raise ValueError(f"backoff_seconds must be a non-negative number, got {backoff_seconds!r}")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

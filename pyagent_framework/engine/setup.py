@@ -163,6 +163,9 @@ def make_kv_transfer(config: EngineConfig, connector_cls, kv_cache: torch.Tensor
     reads itself) inside a :class:`KVTransfer`; a rejected option is a ConfigError."""
     if connector_cls is None:
         return None
+    if kv_cache.numel() == 0:
+        raise ConfigError("kv_connector: this model keeps no keys or values (it has no attention layers), so there are "
+                          "no blocks for a connector to move; drop kv_connector", field="kv_connector")
     options = dict(config.kv_connector_config or {})
     engine_options = {key: options.pop(key) for key in KV_TRANSFER_OPTIONS if key in options}
     engine_options.pop("model_identity", None)  # read by model_identity
@@ -232,6 +235,9 @@ def allocate_kv_cache(config: EngineConfig, model: Any, context_len: int, device
     how = None
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
+    elif bytes_per_block == 0:  # a model without attention layers: blocks only count tokens
+        num_blocks = config.max_num_seqs * -(-context_len // config.block_size)
+        how = "the model keeps no keys or values: enough blocks for max_num_seqs sequences"
     else:
         budget = config.kv_cache_bytes()
         if budget is None:

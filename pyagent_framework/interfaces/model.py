@@ -22,6 +22,10 @@ class ModelArchitecture(ABC):
     - ``load_weights(pairs)``: consumes ``(checkpoint_name, tensor)`` pairs with HF
       names and returns the set of names it loaded; an unexpected name or shape is a
       ``ValueError`` naming it.
+    - ``kv_cache_shape(num_blocks, block_size)``: the shape of the paged KV cache the
+      engine allocates for it, ``(num_layers, 2, num_blocks, block_size,
+      num_kv_heads, head_dim)``; layer ``i``'s ``[2, num_blocks, ...]`` slice is
+      ``context.kv_caches[i]``. A model without attention layers returns 0 layers.
     - Optional ``packed_weights()``: a model that accepts
       :class:`~pyagent_framework.interfaces.PackedWeight` values in ``load_weights``
       for its linear and embedding weights returns them after loading, by parameter
@@ -40,6 +44,9 @@ class ModelArchitecture(ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]: ...
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...
 
 
 class EncoderArchitecture(ABC):

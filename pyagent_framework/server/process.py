@@ -83,12 +83,14 @@ class Server:
 
 
 @contextmanager
-def server_process(*args: str, startup_timeout: float = 300.0, env: dict[str, str] | None = None):
+def server_process(*args: str, startup_timeout: float = 300.0, env: dict[str, str] | None = None,
+                   python: str | None = None):
     """Yield a :class:`Server` once ``/health`` answers; SIGTERM it afterwards.
-    ``args`` are ``pyagent serve`` flags; ``env`` adds environment variables."""
+    ``args`` are ``pyagent serve`` flags; ``env`` adds environment variables;
+    ``python`` is the interpreter to run it with (default: this one)."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="pyagent-serve-", suffix=".log")[1])
-    command = [sys.executable, "-m", "pyagent_framework.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    command = [python or sys.executable, "-m", "pyagent_framework.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
     with open(log, "wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = Server(process, port, log)
