@@ -193,7 +193,8 @@ def test_the_server_uses_every_entry_by_name(walk):
     call = '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
     flags = (*walk.flags(connector=False), "--model", str(walk.root / "llama"), "--grammar-backend", entry("grammar_backend"),
              "--enable-auto-tool-choice", "--tool-call-parser", entry("tool_parser"),
-             "--reasoning-parser", entry("reasoning_parser"), "--kv-connector", entry("kv_connector"), "--max-model-len", "256")
+             "--reasoning-parser", entry("reasoning_parser"), "--kv-connector", entry("kv_connector"), "--max-model-len", "256",
+             "--log-level", "info")
     with server_process(*flags, python=walk.python, env={"PYAGENT_STRICT_PLUGINS": "1"}) as server:
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
         body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "max_tokens": 120,
@@ -223,3 +224,7 @@ def test_the_server_uses_every_entry_by_name(walk):
         expected = {(kind, entry(kind), dist(kind)) for kind in (*ENGINE_FLAGS, "tool_parser", "reasoning_parser",
                                                                   "grammar_backend")}
         assert expected <= rows, expected - rows
+        # The start-up log of the engine core (its own process) names them too.
+        logged = next(line for line in server.log_text().splitlines() if "entries in use: " in line)
+        for kind in ENGINE_FLAGS:
+            assert f"{kind} '{entry(kind)}' ({dist(kind)} 0.1.0)" in logged, (kind, logged)

@@ -5,6 +5,7 @@ pickle), and the rules that tie a child's life to its parent's."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -25,12 +26,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a child, with ``PYAGENT_CORE_LOG_LEVEL`` (unless
+    set) at this process's level for the framework's loggers: ``pyagent serve
+    --log-level info`` then shows the engine core's start-up lines too."""
+    env = dict(os.environ)
+    level = logging.getLogger("pyagent_framework").getEffectiveLevel()
+    env.setdefault("PYAGENT_CORE_LOG_LEVEL", logging.getLevelName(level))
+    return env
+
+
 class Child:
     """A child process of this one, ``python -m MODULE ARGS``, given ``startup`` on its
     standard input (and killed if that fails); ``name`` is how errors name it."""
 
     def __init__(self, module: str, args: list[str], startup: Any, *, label: str, stdout: int | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout)
+        self.process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=stdout,
+                                        env=child_env())
         self.pid = self.process.pid
         self.name = f"{label} {self.pid}"
         try:
