@@ -48,6 +48,12 @@ def test_embed_matches_sentence_transformers_in_both_core_placements(llm, refere
     torch.testing.assert_close(again, got[:8], atol=1e-5, rtol=1e-5)
 
 
+def test_stats_name_the_entries_an_embedding_engine_runs(llm):
+    entries = llm.engine.stats()["entries"]
+    assert set(entries) == {"weight_format", "model_architecture", "tokenizer", "quantizer"}
+    assert entries["model_architecture"]["name"] == "BertModel" and entries["tokenizer"]["distribution"] == "pyagent-hf"
+
+
 def test_inputs_share_steps_by_the_token_budget(llm):
     core = llm.engine.core
     texts = sentences(40, seed=3)

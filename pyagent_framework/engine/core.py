@@ -162,13 +162,9 @@ class EngineCore:
 
     def entries(self) -> dict[str, dict[str, str | None]]:
         """Every registry entry this engine runs, with the distribution that provides it."""
-        architectures = self.model_config.get("architectures") or []
         return entries.selected({
-            "weight_format": self.weight_format,
-            "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
-            "tokenizer": self.tokenizer_name,
+            **entries.model_names(self.weight_format, self.model_config, self.tokenizer_name, self.quantization),
             "attention_backend": self.attention_backend,
-            "quantizer": self.quantization,
             "eviction_policy": self.pool.policy_name if self.pool.caching else None,
             "kv_connector": self.config.kv_connector if self.kv_transfer is not None else None,
             "proposer": self.speculator.name if self.speculator is not None else None,

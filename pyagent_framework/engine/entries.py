@@ -26,6 +26,18 @@ def entry_name_of(kind: str, obj: Any) -> str | None:
     return None
 
 
+def model_names(weight_format: str | None, model_config: dict, tokenizer: str | None,
+                quantizer: str | None) -> dict[str, str | None]:
+    """The entries every engine runs to read and hold its model, by kind."""
+    architectures = model_config.get("architectures") or []
+    return {
+        "weight_format": weight_format,
+        "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
+        "tokenizer": tokenizer,
+        "quantizer": quantizer,
+    }
+
+
 def selected(names: dict[str, str | None]) -> dict[str, dict[str, str | None]]:
     """``{kind: {"name", "distribution", "version", "plugin"}}`` for each kind given a
     name (None: the engine runs none of that kind)."""

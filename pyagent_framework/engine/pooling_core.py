@@ -121,13 +121,9 @@ class PoolingCore:
 
     def entries(self) -> dict[str, dict[str, str | None]]:
         """Every registry entry this engine runs, with the distribution that provides it."""
-        architectures = self.model_config.get("architectures") or []
-        return entries.selected({
-            "weight_format": self.weight_format,
-            "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
-            "tokenizer": self.tokenizer_name,
-            "quantizer": self.quantization,
-        })
+        return entries.selected(
+            entries.model_names(self.weight_format, self.model_config, self.tokenizer_name, self.quantization)
+        )
 
     def info(self) -> CoreInfo:
         return CoreInfo(
