@@ -211,7 +211,8 @@ def test_the_server_uses_every_entry_by_name(walk):
         # A prompt that opens <think> (an assistant turn continued): the reasoning parser
         # reads the unconstrained output as reasoning, cut off before any </think>.
         body = {"messages": [{"role": "user", "content": "Think first."}, {"role": "assistant", "content": "<think>"}],
-                "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 6, "temperature": 0}
+                "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 6, "temperature": 0,
+                "logits_processors": [{"name": entry("logits_processor"), "args": {"window": 1}}]}
         status, answer = server.post_json("/v1/chat/completions", body)
         assert status == 200, answer
         message = answer["choices"][0]["message"]
