@@ -77,7 +77,7 @@ def _build(path: str):
     from pyagent_framework.engine import loader
 
     config = json.loads((Path(path) / "config.json").read_text())
-    fmt = loader.choose_weight_format(path, None)
+    _, fmt = loader.choose_weight_format(path, None)
     return loader.build_model(path, config, weight_format=fmt, attention_backend="torch", quantization="none", dtype="float32")
 
 

@@ -54,9 +54,8 @@ class EngineCore:
         if tp_size > 1:
             setup.check_tensor_parallel(config, self.device)
         self.model_path = loader.resolve_model(config.model, config.gguf_file)
-        weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
+        self.weight_format, weight_format = loader.choose_weight_format(self.model_path, config.weight_format)
         self.model_config = weight_format.load_config(self.model_path)
-        self.weight_format = entries.entry_name_of("weight_format", weight_format)
         self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, self.model_path)
         # "auto" / unset resolved to the names that run (native ones when installed).
         self.attention_backend = loader.choose_attention_backend(config.attention_backend, self.device)

@@ -8,31 +8,16 @@ the ``pyagent:entry_info`` metric, so a deployment can tell which plugin's code 
 
 from __future__ import annotations
 
-from typing import Any
-
-from pyagent_framework import registries
-from pyagent_framework.engine.faults import entry_provider
-
-
-def entry_name_of(kind: str, obj: Any) -> str | None:
-    """The registry name whose entry ``obj`` (an instance) was built from."""
-    registry = registries.KINDS[kind]
-    for entry in registry.entries():
-        try:
-            if registry.load(entry.name) is type(obj):
-                return entry.name
-        except Exception:  # an entry that does not load is not the one that ran
-            continue
-    return None
+from pyagent_framework.engine.faults import entry_provider, format_entry
+from pyagent_framework.engine.loader import architecture_name
 
 
 def model_names(weight_format: str | None, model_config: dict, tokenizer: str | None,
                 quantizer: str | None) -> dict[str, str | None]:
     """The entries every engine runs to read and hold its model, by kind."""
-    architectures = model_config.get("architectures") or []
     return {
         "weight_format": weight_format,
-        "model_architecture": next((a for a in architectures if a in registries.model_architectures), None),
+        "model_architecture": architecture_name(model_config),
         "tokenizer": tokenizer,
         "quantizer": quantizer,
     }
@@ -46,10 +31,4 @@ def selected(names: dict[str, str | None]) -> dict[str, dict[str, str | None]]:
 
 def describe(entries: dict[str, dict[str, str | None]]) -> str:
     """One line: ``tokenizer 'hf' (pyagent-hf 0.1.0), attention_backend 'native' (...)``."""
-    parts = []
-    for kind, who in entries.items():
-        where = " ".join(x for x in (who["distribution"], who["version"]) if x) or (
-            "registered at run time" if who["plugin"] == "<runtime>" else "unknown provider"
-        )
-        parts.append(f"{kind} {who['name']!r} ({where})")
-    return ", ".join(parts)
+    return ", ".join(format_entry(kind, who["name"], who) for kind, who in entries.items())

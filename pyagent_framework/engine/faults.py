@@ -68,7 +68,12 @@ def is_builtin(kind: str, name: str) -> bool:
 def describe_entry(kind: str, name: str) -> str:
     """``grammar_backend 'xgrammar' (pyagent-xgrammar 0.1.0)``; an entry host code
     registered is ``(registered at run time)``, an unknown name has no parenthesis."""
-    who = entry_provider(kind, name)
+    return format_entry(kind, name, entry_provider(kind, name))
+
+
+def format_entry(kind: str, name: str, who: dict[str, str | None]) -> str:
+    """:func:`describe_entry`'s wording for a provider already looked up
+    (:func:`entry_provider`)."""
     label = f"{kind} {name!r}"
     if who["distribution"]:
         return f"{label} ({who['distribution']} {who['version'] or ''})".replace(" )", ")")

@@ -157,18 +157,20 @@ def model_identity(path: str, config: dict, variant: str) -> bytes:
     return digest.digest()
 
 
-def choose_weight_format(path: str, name: str | None):
+def choose_weight_format(path: str, name: str | None) -> tuple[str, Any]:
+    """The weight format that reads ``path``: ``(its registry name, an instance)``;
+    ``name`` None tries each installed one (but ``dummy``) in turn."""
     if name is not None:
         fmt = load_entry(registries.weight_formats, name, "weight_format")()
         if not fmt.matches(path):
             raise ConfigError(f"weight_format {name!r} does not recognize {path}", field="weight_format")
-        return fmt
+        return registries.weight_formats.get(name).name, fmt
     for entry in registries.weight_formats.entries():
         if entry.name == "dummy":
             continue  # random weights only when asked for by name
         fmt = registries.weight_formats.load(entry.name)()
         if fmt.matches(path):
-            return fmt
+            return entry.name, fmt
     method = _quant_method(path)
     hint = _allowlist_hint("weight_format")
     if method is not None:
@@ -215,6 +217,11 @@ def torch_dtype(name: str):
         raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}", field="dtype") from None
 
 
+def architecture_name(config: dict) -> str | None:
+    """The first of the config's ``architectures`` an installed plugin registers."""
+    return next((a for a in config.get("architectures") or [] if a in registries.model_architectures), None)
+
+
 def build_model(
     path: str,
     config: dict,
@@ -238,7 +245,7 @@ def build_model(
     architectures = config.get("architectures") or []
     if not architectures:
         raise ConfigError(f"the config of {path} names no architectures", field="model")
-    arch_name = next((a for a in architectures if a in registries.model_architectures), None)
+    arch_name = architecture_name(config)
     if arch_name is None:
         raise ConfigError(
             f"model {path}: architecture {', '.join(map(str, architectures))} is not supported; the installed plugins "

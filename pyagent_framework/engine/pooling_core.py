@@ -65,7 +65,8 @@ class NullPool:
 class PoolingCore:
     task = "embed"
 
-    def __init__(self, config: EngineConfig, model_path: str, weight_format: Any, model_config: dict) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, weight_format: tuple[str, Any], model_config: dict) -> None:
+        """``weight_format``: what :func:`~.loader.choose_weight_format` chose for the model."""
         self.config = config
         if config.tensor_parallel_size > 1:
             raise ConfigError("an embedding model runs on one rank; drop tensor_parallel_size", field="tensor_parallel_size")
@@ -81,7 +82,7 @@ class PoolingCore:
             torch.set_num_threads(config.num_threads)
         self.device = loader.choose_device(config.device)
         self.model_path, self.model_config = model_path, model_config
-        self.weight_format = entries.entry_name_of("weight_format", weight_format)
+        self.weight_format, weight_format = weight_format
         self.tokenizer, self.tokenizer_name = setup.load_tokenizer(config, model_path)
         self.attention_backend = "encoder"  # the encoder's own bidirectional attention
         self.quantization = loader.choose_quantization(config.quantization, config.dtype, weight_format, self.device)
@@ -263,7 +264,7 @@ def make_core(config: EngineConfig):
         setup.check_tensor_parallel(config, device)
     model_path = loader.resolve_model(config.model, config.gguf_file)
     weight_format = loader.choose_weight_format(model_path, config.weight_format)
-    model_config = weight_format.load_config(model_path)
+    model_config = weight_format[1].load_config(model_path)
     if is_encoder(model_config):
         return PoolingCore(config, model_path, weight_format, model_config)
     return EngineCore(config)

@@ -221,7 +221,7 @@ def build_rank(startup: WorkerStartup):
     torch.set_num_threads(startup.threads)
     config = EngineConfig(**startup.config)
     path = loader.resolve_model(config.model, config.gguf_file)
-    weight_format = loader.choose_weight_format(path, config.weight_format)
+    _, weight_format = loader.choose_weight_format(path, config.weight_format)
     with parallel.building(parallel.TensorParallel(startup.rank, startup.size)):
         model = loader.build_model(
             path, weight_format.load_config(path), weight_format=weight_format,
