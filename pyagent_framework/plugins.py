@@ -555,7 +555,7 @@ def _load_one(pm: _PluginManager, candidate: _Candidate, hooks: dict[str, Regist
             f"supports pyagent_framework API {api}, but this kernel provides API {API_VERSION}"
         )
 
-    _check_hook_parameters(module, hooks)
+    without_register = _check_hook_parameters(module, hooks)
     try:
         pm.register(module, name=f"{info.distribution or 'pyagent-framework'}:{info.name}")
     except Exception as exc:  # pluggy.PluginValidationError, or a name registered twice
@@ -567,16 +567,14 @@ def _load_one(pm: _PluginManager, candidate: _Candidate, hooks: dict[str, Regist
         if unknown:
             raise _PluginFailed(_unknown_hooks_message(unknown))
         info.hooks = sorted(c.name for c in callers)
-        for caller in callers:
-            impls = [impl for impl in caller.get_hookimpls() if impl.plugin is module]
-            if caller.name in hooks and impls and "register" not in (*impls[0].argnames, *impls[0].kwargnames):
-                message = (
-                    f"hook {caller.name}() takes no 'register' parameter: pluggy calls it with no arguments, "
-                    "so it cannot register anything (name its parameter 'register')"
-                )
-                if strict:
-                    raise _PluginFailed(message)
-                info.warnings.append(message)
+        for name in without_register:
+            message = (
+                f"hook {name}() takes no 'register' parameter: pluggy calls it with no arguments, "
+                "so it cannot register anything (name its parameter 'register')"
+            )
+            if strict:
+                raise _PluginFailed(message)
+            info.warnings.append(message)
         staged = _call_registration_hooks(pm, module, info, callers, hooks)
         _commit(staged, info)
     except BaseException:
@@ -590,10 +588,12 @@ def _load_one(pm: _PluginManager, candidate: _Candidate, hooks: dict[str, Regist
         )
 
 
-def _check_hook_parameters(module: Any, hooks: dict[str, Registry]) -> None:
+def _check_hook_parameters(module: Any, hooks: dict[str, Registry]) -> list[str]:
     """A registration hook's parameter must be named ``register``: pluggy passes hook
     arguments by name and refuses an implementation asking for another one. Said here
-    in plain words before pluggy says it in its own."""
+    in plain words before pluggy says it in its own. Returns the hooks that take no
+    ``register`` at all (pluggy calls them with no arguments: they cannot register)."""
+    without = []
     for name in hooks:
         function = getattr(module, name, None)
         if not callable(function):
@@ -613,6 +613,9 @@ def _check_hook_parameters(module: Any, hooks: dict[str, Registry]) -> None:
                 f"invalid hook implementation {name}({', '.join(p.name for p in params)}){where}: a registration "
                 "hook takes one parameter, named 'register' (pluggy passes it by name and refuses any other)"
             )
+        if not any(p.name == "register" for p in params):
+            without.append(name)
+    return without
 
 
 def _unknown_hooks_message(unknown: Iterable[str]) -> str:
